@@ -94,6 +94,21 @@ def _tree_budget(tree_cfg: TreeConfig | None) -> int:
     return len(tree_cfg.choices) + 1 if tree_cfg.method == "eagle" else tree_cfg.total_tokens
 
 
+def check_request(window: int, n: int, max_new_tokens: int | None) -> None:
+    """Refuse a request that cannot fit the context window, with what to change."""
+    if n == 0:
+        raise GenerationError("empty prompt")
+    if n >= window:
+        raise GenerationError(f"prompt of {n} tokens does not fit the context window of {window} tokens")
+    if max_new_tokens is not None:
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if n + max_new_tokens > window:
+            raise GenerationError(
+                f"prompt of {n} tokens + max_new_tokens {max_new_tokens} exceeds the context window of "
+                f"{window} tokens; lower --max-new-tokens to at most {window - n}")
+
+
 @torch.inference_mode()
 def generate_tokens(
     target: Transformer,
@@ -118,17 +133,7 @@ def generate_tokens(
         tree = TreeConfig()
     window = target.config.max_position_embeddings
     n = len(prompt_ids)
-    if n == 0:
-        raise GenerationError("empty prompt")
-    if n >= window:
-        raise GenerationError(f"prompt of {n} tokens does not fit the context window of {window} tokens")
-    if max_new_tokens is not None:
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if n + max_new_tokens > window:
-            raise GenerationError(
-                f"prompt of {n} tokens + max_new_tokens {max_new_tokens} exceeds the context window of "
-                f"{window} tokens; lower --max-new-tokens to at most {window - n}")
+    check_request(window, n, max_new_tokens)
     device = target.device
     budget = _tree_budget(tree if drafter is not None else None)
     # Size the cache to the request, not the model's maximum context.

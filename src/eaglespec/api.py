@@ -1,0 +1,212 @@
+"""The Python API: one engine object that the CLI, the benchmarks and the server all use.
+
+    engine = EagleSpec.load("smollm2-135m-instruct", draft="default", dtype="auto")
+    for piece in (s := engine.stream("Hi!", method="eagle2")):
+        print(piece, end="")
+    print(s.result.tokens_per_s, s.result.tau)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Union
+
+import torch
+
+from .config import ConfigError, SamplingConfig, TreeConfig
+from .draft import Drafter, DraftHead, init_random_head, load_head
+from .generate import GenerationStats, check_request, cut_at_stop_string, generate_tokens
+from .model import Transformer
+from .tokenizer import Tokenizer, load_tokenizer
+from .weights import DEFAULT_MODEL, ModelSource, load_model
+
+Messages = list[dict[str, str]]
+Prompt = Union[str, Messages]
+METHODS = ("vanilla", "eagle", "eagle2")
+HEADS_DIR = Path(__file__).parent / "heads"
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """auto: bf16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16 or AMX), else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+             "fp32": torch.float32, "float32": torch.float32}
+    if dtype in table:
+        return table[dtype]
+    if dtype != "auto":
+        raise ValueError(f"--dtype must be auto, bf16, fp16 or fp32, got {dtype!r}")
+    if str(device).startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_device(device: str) -> str:
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (this torch build or machine has none)")
+    return device
+
+
+def default_head_path(model_name: str) -> Path:
+    return HEADS_DIR / model_name
+
+
+@dataclass
+class GenerationResult:
+    prompt: str
+    text: str
+    token_ids: list[int]  # new tokens only
+    new_tokens: int
+    wall_s: float  # generation only (prefill included, model load excluded)
+    tokens_per_s: float
+    method: str
+    steps: int
+    tau: float
+    accept_lengths: list[int] = field(default_factory=list)
+    accepted_per_depth: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Stream:
+    """Iterates over text pieces as tokens are accepted; `.result` is set when it ends."""
+
+    def __init__(self, engine: "EagleSpec", prompt_text: str, ids: list[int], method: str, tokens: Iterator[list[int]],
+                 stats: GenerationStats, stop_strings: list[str]) -> None:
+        self._engine, self._prompt, self._tokens, self._stats = engine, prompt_text, tokens, stats
+        self._method, self._stop = method, stop_strings
+        self.token_ids: list[int] = []
+        self.result: GenerationResult | None = None
+        self.on_tokens = None  # optional callback(list[int]) for token-level consumers
+
+    def __iter__(self) -> Iterator[str]:
+        decode = self._engine.tokenizer.decode
+        shown = ""
+        for chunk in self._tokens:
+            self.token_ids.extend(chunk)
+            if self.on_tokens is not None:
+                self.on_tokens(chunk)
+            text = cut_at_stop_string(decode(self.token_ids), self._stop)
+            # Hold back an incomplete UTF-8 character (decoded as U+FFFD) until it completes.
+            if text.endswith("\ufffd"):
+                continue
+            if text.startswith(shown):
+                piece, shown = text[len(shown):], text
+                if piece:
+                    yield piece
+        text = cut_at_stop_string(decode(self.token_ids), self._stop)
+        if text.startswith(shown) and len(text) > len(shown):
+            yield text[len(shown):]
+        s = self._stats
+        self.result = GenerationResult(
+            prompt=self._prompt, text=text, token_ids=list(self.token_ids), new_tokens=len(self.token_ids),
+            wall_s=s.wall_s, tokens_per_s=s.tokens_per_s, method=self._method, steps=s.steps, tau=s.tau,
+            accept_lengths=list(s.accept_lengths), accepted_per_depth=list(s.accepted_per_depth),
+            stop_reason=s.stop_reason, prefill_s=s.prefill_s, draft_s=s.draft_s, verify_s=s.verify_s)
+
+    def run(self) -> GenerationResult:
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class EagleSpec:
+    """A target model, its tokenizer and (optionally) an EAGLE draft head."""
+
+    def __init__(self, target: Transformer, tokenizer: Tokenizer, source: ModelSource,
+                 head: DraftHead | None = None, head_name: str = "") -> None:
+        self.target, self.tokenizer, self.source = target, tokenizer, source
+        self.head, self.head_name = head, head_name
+        self.drafter = Drafter(head, target) if head is not None else None
+        self.load_s = 0.0
+
+    @classmethod
+    def load(cls, model: str = DEFAULT_MODEL, draft: str | None = None, dtype: str | torch.dtype = "auto",
+             device: str = "cpu") -> "EagleSpec":
+        t0 = time.perf_counter()
+        device = resolve_device(device)
+        dt = resolve_dtype(dtype, device)
+        target, src = load_model(model, dt, device)
+        tok = load_tokenizer(src, target.config.eos_token_ids)
+        engine = cls(target, tok, src)
+        if draft is not None:
+            engine.set_draft(draft)
+        engine.load_s = time.perf_counter() - t0
+        return engine
+
+    def set_draft(self, draft: str, seed: int = 0) -> None:
+        """draft: 'default' (the head shipped for this model), 'random' (seeded, for tests) or a path."""
+        cfg, dt, dev = self.target.config, self.target.dtype, self.target.device
+        if draft == "random":
+            head, name = init_random_head(cfg, seed=seed, dtype=dt, device=dev), "random"
+        else:
+            path = default_head_path(self.source.name) if draft == "default" else Path(draft)
+            if draft == "default" and not (path / "config.json").is_file():
+                raise ConfigError(f"no trained draft head ships for model {self.source.name!r}; "
+                                  "pass --draft PATH (a head directory) or --draft random")
+            if not path.exists():
+                raise ConfigError(f"draft head {path} does not exist")
+            head, name = load_head(path, cfg, dt, dev), str(draft)
+        self.head, self.head_name, self.drafter = head, name, Drafter(head, self.target)
+
+    def encode(self, prompt: Prompt, chat: bool = True, system: str | None = None) -> tuple[str, list[int]]:
+        """Prompt text (or messages) -> (rendered prompt text, token ids)."""
+        if isinstance(prompt, str):
+            if not chat:
+                return prompt, self.tokenizer.encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
+        messages = list(prompt)
+        if system is not None and not (messages and messages[0]["role"] == "system"):
+            messages.insert(0, {"role": "system", "content": system})
+        text = self.tokenizer.render_chat(messages)
+        return text, self.tokenizer.encode(text)
+
+    def stream(self, prompt: Prompt, *, method: str = "vanilla", max_new_tokens: int | None = 256,
+               sampling: SamplingConfig | None = None, tree: TreeConfig | None = None, chat: bool = True,
+               system: str | None = None, stop: list[str] = ()) -> Stream:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        drafter = None
+        if method != "vanilla":
+            if self.drafter is None:
+                self.set_draft("default")
+            drafter = self.drafter
+            tree = tree or TreeConfig(method=method)
+            if tree.method != method:
+                tree = TreeConfig(method=method, total_tokens=tree.total_tokens, depth=tree.depth,
+                                  top_k=tree.top_k, choices=tree.choices)
+        text, ids = self.encode(prompt, chat, system)
+        check_request(self.target.config.max_position_embeddings, len(ids), max_new_tokens)
+        stats = GenerationStats()
+        tokens = generate_tokens(self.target, ids, drafter=drafter, tree=tree, sampling=sampling,
+                                 max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_token_ids,
+                                 stop_strings=list(stop), decode=self.tokenizer.decode, stats=stats)
+        return Stream(self, text, ids, method, tokens, stats, list(stop))
+
+    def generate(self, prompt: Prompt, **kwargs) -> GenerationResult:
+        return self.stream(prompt, **kwargs).run()
+
+
+def set_threads() -> None:
+    """Use every core for intra-op work unless the user chose (OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
