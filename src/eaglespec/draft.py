@@ -23,7 +23,7 @@ from torch import nn
 
 from .config import ConfigError, ModelConfig, TreeConfig
 from .kv_cache import KVCache
-from .model import DecoderLayer, Rotary, Transformer
+from .model import DecoderLayer, Rotary, Transformer, causal_mask
 from .tree import StaticLayout, Tree, rerank, static_layout, truncate_layout
 
 HEAD_FORMAT = "eaglespec-draft-v1"
@@ -45,27 +45,27 @@ class DraftHead(nn.Module):
         return KVCache(1, c.num_kv_heads, c.head_dim, max_len, batch_size, w.dtype, w.device)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """embeds, features: [B, T, H] (token x[t+1], feature f[t]); positions [B, T] -> f^[t+1] [B, T, H]."""
+                cache: KVCache | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds, features: [B, T, H] (token x[t+1], feature f[t]); positions [B, T] -> f^[t+1] [B, T, H].
+
+        cache None (training): the T pairs attend causally among themselves, or per `mask` [B, T, T].
+        """
         t = embeds.shape[1]
         if mask is None and t > 1:
-            from .model import causal_mask
-
-            mask = causal_mask(cache.length, t, embeds.device)
+            mask = causal_mask(0 if cache is None else cache.length, t, embeds.device)
         if mask is not None and mask.dim() == 3:
             mask = mask[:, None]
         x = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
         x = self.layer(x, cos, sin, cache, 0, mask)
-        cache.advance(t)
+        if cache is not None:
+            cache.advance(t)
         return x
 
 
-def init_random_head(cfg: ModelConfig, seed: int = 0, bias: bool = True, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu") -> DraftHead:
-    """A seeded random head (acceptance near zero; output must still be identical)."""
+def init_head_(head: DraftHead, seed: int = 0) -> DraftHead:
+    """Reproducible init from a seed: normal(0, 0.02) weights (HF's), unit norms, zero biases."""
     g = torch.Generator().manual_seed(seed)
-    head = DraftHead(cfg, bias)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name.endswith("norm.weight"):
@@ -74,6 +74,13 @@ def init_random_head(cfg: ModelConfig, seed: int = 0, bias: bool = True, dtype: 
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return head
+
+
+def init_random_head(cfg: ModelConfig, seed: int = 0, bias: bool = True, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> DraftHead:
+    """A seeded random head (acceptance near zero; output must still be identical)."""
+    head = init_head_(DraftHead(cfg, bias), seed)
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

@@ -140,7 +140,10 @@ def generate_tokens(
     capacity = window if max_new_tokens is None else min(window, n + max_new_tokens + budget)
     cache = target.new_cache(capacity)
     gen = make_generator(sampling.seed, device) if not sampling.greedy else None
-    stop = StopChecker(list(eos_ids), list(stop_strings), max_new_tokens, decode)
+    # max_new_tokens None: stop when prompt + output fill the window (the same bound
+    # check_request puts on max_new_tokens), reported as context_full.
+    stop = StopChecker(list(eos_ids), list(stop_strings),
+                       max_new_tokens if max_new_tokens is not None else window - n, decode)
 
     t0 = time.perf_counter()
     prompt = torch.tensor(prompt_ids, device=device)[None]
@@ -149,7 +152,9 @@ def generate_tokens(
     state = None
     if drafter is not None:
         # Draft pairs (x[t+1], f[t]) for t = 0..n-1: the prompt shifted by one, then the new token.
-        drafter.reset(capacity + budget * max(tree.depth, 8))
+        # Drafting appends up to (depth - 1) * top_k uncommitted slots (eagle2), or fewer than
+        # `budget` (eagle), past the committed ones.
+        drafter.reset(capacity + max(budget * max(tree.depth, 8), tree.depth * tree.top_k))
         shifted = torch.tensor(prompt_ids[1:] + [token], device=device)
         state = drafter.extend(shifted, out.features[0])
     _sync(device)
@@ -203,5 +208,7 @@ def generate_tokens(
         stats.wall_s = time.perf_counter() - t0
         token = emitted[-1]
         yield emitted
+    if reason == "max_new_tokens" and max_new_tokens is None:
+        reason = "context_full"
     stats.stop_reason = reason
     stats.wall_s = time.perf_counter() - t0

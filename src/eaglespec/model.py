@@ -87,7 +87,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: KVCache,
+        cache: KVCache | None,
         layer: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -98,7 +98,10 @@ class Attention(nn.Module):
         k = k.view(b, t, self.n_kv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
         v = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_all, v_all = cache.write(layer, k, v)  # [B, nkv, S, hd], S = cached + T
+        if cache is None:  # training: the whole sequence at once, nothing to keep
+            k_all, v_all = k, v
+        else:
+            k_all, v_all = cache.write(layer, k, v)  # [B, nkv, S, hd], S = cached + T
         y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
 
@@ -125,7 +128,7 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache | None, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, layer, mask)
         return x + self.mlp(self.mlp_norm(x))
 

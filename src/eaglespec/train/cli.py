@@ -1,0 +1,156 @@
+"""`eaglespec train` (and `torchrun -m eaglespec.train`): data -> features -> trained draft head.
+
+Every phase resumes: finished feature shards are skipped, and --resume continues training from
+out/checkpoint.pt with optimizer, schedule, RNG and data position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from .loop import TrainConfig
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    from ..weights import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="target dtype")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--data", default=None, help="ShareGPT json/jsonl or OpenAI messages jsonl (default: packaged ShareGPT)")
+    p.add_argument("--out", required=True, help="work directory: features/, checkpoint.pt, head/")
+    p.add_argument("--max-conversations", type=int, default=None, help="use the first N usable conversations")
+    p.add_argument("--max-length", type=int, default=1024, help="tokens per conversation (truncated)")
+    p.add_argument("--val-fraction", type=float, default=0.02)
+    p.add_argument("--shard-size", type=int, default=64, help="conversations per feature shard")
+    p.add_argument("--online", action="store_true", help="compute features inside the loop instead of dumping")
+    p.add_argument("--regenerate", action="store_true",
+                   help="replace assistant turns with the target's own greedy answers before training")
+    p.add_argument("--regenerate-max-tokens", type=int, default=256)
+    p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True, help="fc bias (EAGLE-1/2: yes)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    d = TrainConfig()
+    for f in fields(TrainConfig):
+        if f.name == "betas":
+            p.add_argument("--betas", type=float, nargs=2, default=list(d.betas))
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, type=type(getattr(d, f.name)), default=getattr(d, f.name))
+
+
+def config_from(args) -> TrainConfig:
+    kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    kw["betas"] = tuple(kw["betas"])
+    return TrainConfig(**kw)
+
+
+def init_distributed(device: str) -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), world
+
+
+def build_samples(engine, args, rank: int):
+    from .data import load_conversations, split_train_val, tokenize_conversation
+
+    report = load_conversations(args.data)
+    if rank == 0:
+        print(report.summary(), file=sys.stderr)
+    convs = report.conversations
+    if args.max_conversations:
+        convs = convs[: args.max_conversations]
+    if args.regenerate:
+        from .regenerate import regenerate
+
+        convs = regenerate(engine, convs, Path(args.out) / "regenerated.jsonl", args.regenerate_max_tokens,
+                           progress=not args.no_progress and rank == 0)
+    hf = engine.tokenizer.hf
+    samples = [tokenize_conversation(hf, c, args.max_length) for c in convs]
+    samples = [s for s in samples if s.num_loss_tokens > 0 and len(s) > 1]
+    split = split_train_val(list(range(len(samples))), args.val_fraction, args.seed)
+    return samples, list(split.train), list(split.val)
+
+
+def cmd_train(args) -> int:
+    from ..api import EagleSpec, set_threads
+    from ..draft import DraftHead, init_head_
+    from .features import dump_features, shard_path, write_manifest
+    from .loop import SampleStore, train
+
+    set_threads()
+    rank, world = init_distributed(args.device)
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device.startswith("cuda") and world > 1 else args.device
+    engine = EagleSpec.load(args.model, dtype=args.dtype, device=device)
+    target = engine.target
+    out = Path(args.out)
+    samples, train_ids, val_ids = build_samples(engine, args, rank)
+    n_tok = sum(len(s) for s in samples)
+    if rank == 0:
+        print(f"{len(samples):,} samples, {n_tok:,} tokens ({sum(s.num_loss_tokens for s in samples):,} assistant); "
+              f"{len(train_ids):,} train / {len(val_ids):,} validation", file=sys.stderr)
+    feat_dir = out / "features"
+    if args.online:
+        from .online import OnlineStore
+
+        store = OnlineStore(target, samples)
+    else:
+        if rank == 0:
+            write_manifest(feat_dir, {"model": engine.source.name, "dtype": str(target.dtype),
+                                      "max_length": args.max_length, "samples": len(samples), "tokens": n_tok,
+                                      "shard_size": args.shard_size, "data": str(args.data or "sharegpt"),
+                                      "regenerate": bool(args.regenerate)})
+        if world > 1:
+            torch.distributed.barrier()
+        rep = dump_features(target, samples, feat_dir, args.shard_size, rank, world, progress=not args.no_progress)
+        if rank == 0:
+            print(rep.summary(), file=sys.stderr)
+        if world > 1:
+            torch.distributed.barrier()
+        n_shards = (len(samples) + args.shard_size - 1) // args.shard_size
+        store = SampleStore([shard_path(feat_dir, i) for i in range(n_shards)])
+    torch.manual_seed(args.seed)
+    head = DraftHead(target.config, bias=args.bias).to(device)
+    init_head_(head, args.seed)
+    cfg = config_from(args)
+    extra = {"target": engine.source.name, "samples": len(samples), "tokens": n_tok}
+    state = train(head, target, store, train_ids, val_ids, out, cfg, resume=args.resume, rank=rank, world=world,
+                  progress=not args.no_progress, head_extra=extra)
+    if rank == 0:
+        metrics = json.loads((out / "metrics.json").read_text())
+        print(f"done: {state.step} steps; head in {out / 'head'}; n-alpha "
+              f"{[round(a, 3) for a in metrics.get('n_alpha', [])]}, implied tau {metrics.get('implied_tau', 0):.2f}",
+              file=sys.stderr)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train an EAGLE draft head (features, loss, checkpoints, resume)")
+    add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eaglespec.train", description="train an EAGLE draft head")
+    add_train_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_train(args)
+    except (ValueError, OSError) as e:
+        if os.environ.get("EAGLESPEC_DEBUG"):
+            raise
+        print(f"eaglespec train: error: {e}", file=sys.stderr)
+        return 2

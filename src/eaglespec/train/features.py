@@ -1,0 +1,139 @@
+"""Target features for training, dumped once to sharded safetensors.
+
+A shard holds the samples [i * shard_size, (i + 1) * shard_size) concatenated:
+  input_ids [T] int32, loss_mask [T] uint8, features [T, H] bf16 (the hidden state entering the
+  LM head), offsets [n + 1] int64, and optionally hidden_{layer} [T, H] for EAGLE-3.
+Shards are written atomically, so a rerun (or another rank) skips the finished ones and a kill
+between or inside shards loses at most the shard in progress.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..model import Transformer
+from ..weights import atomic_save_safetensors
+from .data import TokenizedSample
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class DumpReport:
+    shards_total: int
+    shards_written: int
+    shards_skipped: int
+    tokens_written: int
+    seconds: float
+    bytes_on_disk: int
+    total_tokens: int
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_on_disk / max(1, self.total_tokens)
+
+    def summary(self) -> str:
+        rate = self.tokens_written / self.seconds if self.seconds > 0 else 0.0
+        return (f"features: {self.shards_total} shards ({self.shards_skipped} already done), "
+                f"{self.tokens_written:,} tokens dumped in {self.seconds:.0f} s ({rate:.0f} tokens/s); "
+                f"disk {self.bytes_on_disk / 2**20:.1f} MiB = {self.bytes_per_token:.0f} bytes/token")
+
+
+@dataclass
+class Shard:
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] bool
+    features: torch.Tensor  # [T, H]
+    offsets: list[int]  # [n + 1]
+    hidden: dict[int, torch.Tensor]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+
+def shard_path(out: Path, i: int) -> Path:
+    return out / f"shard_{i:05d}.safetensors"
+
+
+def write_manifest(out: Path, info: dict) -> None:
+    """Record what the features were made from; refuse to mix dumps made differently."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / MANIFEST
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != info:
+            diff = sorted(k for k in set(old) | set(info) if old.get(k) != info.get(k))
+            raise ValueError(f"{out} holds features made with other settings ({', '.join(diff)}); "
+                             "use another --out directory or delete it")
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(path)
+
+
+@torch.inference_mode()
+def target_features(target: Transformer, ids: list[int], hidden_layers: tuple[int, ...] = ()):
+    """One causal forward over a whole sample -> (features [T, H], {layer: [T, H]})."""
+    t = len(ids)
+    cache = target.new_cache(t)
+    tok = torch.tensor(ids, device=target.device)[None]
+    out = target(tok, torch.arange(t, device=target.device)[None], cache, logits_for="none",
+                 hidden_layers=hidden_layers)
+    return out.features[0], {k: v[0] for k, v in out.hidden.items()}
+
+
+def dump_features(target: Transformer, samples: list[TokenizedSample], out: Path, shard_size: int = 64,
+                  rank: int = 0, world: int = 1, hidden_layers: tuple[int, ...] = (),
+                  progress: bool = True) -> DumpReport:
+    out.mkdir(parents=True, exist_ok=True)
+    n_shards = (len(samples) + shard_size - 1) // shard_size
+    mine = [i for i in range(n_shards) if i % world == rank]
+    todo = [i for i in mine if not shard_path(out, i).is_file()]
+    todo_tokens = sum(len(samples[j]) for i in todo for j in range(i * shard_size, min(len(samples), (i + 1) * shard_size)))
+    t0 = time.perf_counter()
+    written = 0
+    bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"features (rank {rank})",
+               disable=not progress or not todo, dynamic_ncols=True)
+    for i in todo:
+        chunk = samples[i * shard_size:(i + 1) * shard_size]
+        feats, ids, masks, offsets = [], [], [], [0]
+        hid: dict[int, list[torch.Tensor]] = {h: [] for h in hidden_layers}
+        for s in chunk:
+            f, h = target_features(target, s.input_ids, hidden_layers)
+            feats.append(f.to(torch.bfloat16).cpu())
+            for k in hidden_layers:
+                hid[k].append(h[k].to(torch.bfloat16).cpu())
+            ids.append(torch.tensor(s.input_ids, dtype=torch.int32))
+            masks.append(torch.tensor(s.loss_mask, dtype=torch.uint8))
+            offsets.append(offsets[-1] + len(s))
+            bar.update(len(s))
+        tensors = {"input_ids": torch.cat(ids), "loss_mask": torch.cat(masks), "features": torch.cat(feats),
+                   "offsets": torch.tensor(offsets, dtype=torch.int64)}
+        for k in hidden_layers:
+            tensors[f"hidden_{k}"] = torch.cat(hid[k])
+        atomic_save_safetensors(tensors, shard_path(out, i), {"format": "pt"})
+        written += offsets[-1]
+    bar.close()
+    all_files = [shard_path(out, i) for i in range(n_shards)]
+    size = sum(p.stat().st_size for p in all_files if p.is_file())
+    total = sum(len(s) for s in samples)
+    return DumpReport(n_shards, len(todo), len(mine) - len(todo), written, time.perf_counter() - t0, size, total)
+
+
+def load_shard(path: Path) -> Shard:
+    from safetensors.torch import load_file
+
+    d = load_file(str(path))
+    hidden = {int(k.split("_")[1]): v for k, v in d.items() if k.startswith("hidden_")}
+    return Shard(d["input_ids"].long(), d["loss_mask"].bool(), d["features"], d["offsets"].tolist(), hidden)
+
+
+def shards_complete(out: Path, n_samples: int, shard_size: int) -> bool:
+    n_shards = (n_samples + shard_size - 1) // shard_size
+    return all(shard_path(out, i).is_file() for i in range(n_shards))

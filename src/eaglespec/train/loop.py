@@ -1,0 +1,232 @@
+"""The training loop: batches from feature shards, AdamW, warm-up + cosine decay, checkpoints,
+resume, validation n-alpha, and DistributedDataParallel under torchrun.
+
+Determinism: batch order comes from (seed, epoch); the noise generator's state is saved in
+every checkpoint, so a resumed run takes exactly the steps an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..draft import DraftHead, save_head
+from ..model import Transformer
+from .features import Shard, load_shard
+from .loss import Batch, chain_accuracy, eagle_loss, implied_tau
+
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters; defaults are the EAGLE paper's unless noted."""
+
+    epochs: float = 2.0
+    lr: float = 3e-5  # paper; small heads on little data want more, see README
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    clip_value: float = 0.5  # the authors clip gradients by value
+    w_cls: float = 0.1
+    noise: float = 0.1  # U(-0.1, 0.1) on input features
+    batch_tokens: int = 4096  # tokens per step (the paper: 4 sequences of up to 2048)
+    warmup_steps: int = 50
+    max_steps: int = 0  # 0: epochs decide
+    checkpoint_every: int = 50
+    eval_every: int = 200
+    eval_samples: int = 64
+    seed: int = 0
+    autocast: str = "auto"  # auto: bf16 on CUDA only (no native bf16 matmul on most CPUs)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens_seen: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+class SampleStore:
+    """All samples of a feature dump, in memory (bf16 features: ~1.2 KB/token for H = 576)."""
+
+    def __init__(self, shard_files: list[Path]) -> None:
+        self.shards: list[Shard] = [load_shard(p) for p in shard_files]
+        self.index = [(s, j) for s, sh in enumerate(self.shards) for j in range(len(sh))]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def length(self, i: int) -> int:
+        s, j = self.index[i]
+        o = self.shards[s].offsets
+        return o[j + 1] - o[j]
+
+    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, j = self.index[i]
+        sh = self.shards[s]
+        a, b = sh.offsets[j], sh.offsets[j + 1]
+        return sh.input_ids[a:b], sh.features[a:b], sh.loss_mask[a:b]
+
+
+def make_batches(store: SampleStore, sample_ids: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Length-bucketed batches of about batch_tokens padded tokens, in a (seed, epoch) order."""
+    rng = random.Random(seed * 1000003 + epoch)
+    ids = list(sample_ids)
+    rng.shuffle(ids)
+    # Sort within windows of 64 so batches hold similar lengths (little padding) yet vary.
+    windows = [sorted(ids[i:i + 64], key=store.length) for i in range(0, len(ids), 64)]
+    batches, cur, cur_max = [], [], 0
+    for w in windows:
+        for i in w:
+            n = store.length(i)
+            if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
+                batches.append(cur)
+                cur, cur_max = [], 0
+            cur.append(i)
+            cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(store: SampleStore, ids: list[int], device) -> Batch:
+    items = [store.get(i) for i in ids]
+    t = max(x[0].numel() for x in items)
+    h = items[0][1].shape[-1]
+    tok = torch.zeros(len(items), t, dtype=torch.long)
+    feat = torch.zeros(len(items), t, h, dtype=items[0][1].dtype)
+    mask = torch.zeros(len(items), t, dtype=torch.bool)
+    for r, (a, f, m) in enumerate(items):
+        n = a.numel()
+        tok[r, :n], feat[r, :n], mask[r, :n] = a, f, m
+    return Batch(tok.to(device), feat.to(device), mask.to(device))
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, target: Transformer, store: SampleStore, val_ids: list[int], steps: int = 5) -> dict:
+    head.eval()
+    hits, totals = [0] * steps, [0] * steps
+    for i in val_ids:
+        tok, feat, mask = store.get(i)
+        h, t = chain_accuracy(head, target, tok.to(target.device), feat.to(target.device), mask.to(target.device), steps)
+        hits = [a + b for a, b in zip(hits, h)]
+        totals = [a + b for a, b in zip(totals, t)]
+    head.train()
+    alphas = [h / t if t else 0.0 for h, t in zip(hits, totals)]
+    return {"n_alpha": alphas, "implied_tau": implied_tau(alphas), "val_positions": totals[0]}
+
+
+def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: list[int], val_ids: list[int],
+          out: Path, cfg: TrainConfig, resume: bool = False, rank: int = 0, world: int = 1,
+          progress: bool = True, head_extra: dict | None = None) -> TrainState:
+    """Train `head` in place; checkpoints in out/checkpoint.pt, the final head in out/head/."""
+    device = target.device
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    head.train().requires_grad_(True)
+    model = head
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(head)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    noise_gen = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + rank)
+    state = TrainState()
+    ckpt = out / "checkpoint.pt"
+    if resume and ckpt.is_file():
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+        head.load_state_dict(saved["head"])
+        opt.load_state_dict(saved["optimizer"])
+        noise_gen.set_state(saved["noise_rng"][rank] if rank < len(saved["noise_rng"]) else saved["noise_rng"][0])
+        torch.set_rng_state(saved["torch_rng"])
+        random.setstate(saved["python_rng"])
+        state = TrainState(**saved["state"])
+        if rank == 0:
+            print(f"resumed from {ckpt}: step {state.step}, epoch {state.epoch}, batch {state.batch_in_epoch}")
+    per_epoch = len(make_batches(store, train_ids, cfg.batch_tokens, cfg.seed, 0)) // world
+    total = cfg.max_steps or max(1, int(per_epoch * cfg.epochs))
+    autocast = cfg.autocast == "on" or (cfg.autocast == "auto" and device.type == "cuda")
+    log = open(out / "log.jsonl", "a") if rank == 0 else None
+    bar = tqdm(total=total, initial=state.step, desc="train", disable=not progress or rank != 0, dynamic_ncols=True)
+    t0, tokens0 = time.perf_counter(), state.tokens_seen
+
+    def checkpoint() -> None:
+        if rank != 0:
+            return
+        rngs = [noise_gen.get_state()]
+        if world > 1:  # every rank's noise state, so each resumes its own stream
+            gathered = [None] * world
+            torch.distributed.all_gather_object(gathered, noise_gen.get_state())
+            rngs = gathered
+        atomic_torch_save({"head": head.state_dict(), "optimizer": opt.state_dict(), "noise_rng": rngs,
+                           "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                           "state": asdict(state), "config": asdict(cfg)}, ckpt)
+
+    while state.step < total:
+        batches = make_batches(store, train_ids, cfg.batch_tokens, cfg.seed, state.epoch)
+        mine = batches[rank::world][:per_epoch]
+        while state.batch_in_epoch < len(mine) and state.step < total:
+            batch = collate(store, mine[state.batch_in_epoch], device)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(state.step, total, cfg)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                parts = eagle_loss(model, target, batch, cfg.w_cls, cfg.noise, noise_gen)
+            opt.zero_grad(set_to_none=True)
+            parts.total.backward()
+            torch.nn.utils.clip_grad_value_(head.parameters(), cfg.clip_value)
+            opt.step()
+            state.step += 1
+            state.batch_in_epoch += 1
+            state.tokens_seen += int(batch.loss_mask.numel()) * world
+            rec = {"step": state.step, "epoch": state.epoch, "loss": float(parts.total), "reg": float(parts.reg),
+                   "cls": float(parts.cls), "acc": float(parts.acc), "lr": opt.param_groups[0]["lr"],
+                   "tokens_per_s": (state.tokens_seen - tokens0) / max(1e-9, time.perf_counter() - t0)}
+            bar.update(1)
+            bar.set_postfix(reg=f"{rec['reg']:.3f}", cls=f"{rec['cls']:.2f}", acc=f"{rec['acc']:.2f}",
+                            tok_s=f"{rec['tokens_per_s']:.0f}")
+            if cfg.eval_every and state.step % cfg.eval_every == 0 and rank == 0 and val_ids:
+                rec.update(evaluate(head, target, store, val_ids[: cfg.eval_samples]))
+                bar.write(f"step {state.step}: n-alpha {[round(a, 3) for a in rec['n_alpha']]}, "
+                          f"implied tau {rec['implied_tau']:.2f}")
+            if log:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            state.history.append({k: rec[k] for k in ("step", "loss", "reg", "cls", "acc")})
+            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+                checkpoint()
+        if state.batch_in_epoch >= len(mine):
+            state.epoch += 1
+            state.batch_in_epoch = 0
+    bar.close()
+    checkpoint()
+    if rank == 0:
+        final = evaluate(head, target, store, val_ids[: cfg.eval_samples]) if val_ids else {}
+        head.eval()
+        save_head(head, out / "head", dtype=torch.bfloat16,
+                  extra={**(head_extra or {}), "train": {"steps": state.step, "tokens_seen": state.tokens_seen,
+                                                         **final}})
+        (out / "metrics.json").write_text(json.dumps({"steps": state.step, "tokens_seen": state.tokens_seen,
+                                                     "seconds": time.perf_counter() - t0, **final}, indent=2))
+        if log:
+            log.close()
+    return state
