@@ -122,12 +122,15 @@ def unpermute_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: str | torch.device = "cpu") -> Transformer:
     """Instantiate on the meta device and adopt the tensors (no second copy of the weights)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
     if cfg.tie_word_embeddings:
         sd["lm_head.weight"] = sd["embed.weight"]
-    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    try:  # shapes that disagree with the config, or a corrupt config's absurd sizes
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    except RuntimeError as e:
+        raise ModelLoadError(f"weights do not fit the config: {str(e).strip().splitlines()[-1].strip()}") from None
     if missing or unexpected:
         raise ModelLoadError(f"weights do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}")
     if cfg.tie_word_embeddings:
@@ -168,7 +171,8 @@ def resolve_model(model: str) -> ModelSource:
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"{model}: directory has no config.json (not a Hugging Face checkpoint)")
         return ModelSource("hf", p, p.name)
-    if model.count("/") == 1 and not p.exists() and not model.startswith((".", "/")):
+    if model.count("/") == 1 and not p.exists() and not model.startswith((".", "/")) \
+            and p.suffix.lower() != ".gguf":  # a missing local .gguf path is not a hub repo id
         return ModelSource("hf", _download_hub(model), model)
     raise ModelLoadError(
         f"unknown model {model!r}: not a model id ({', '.join(PACKAGED_MODELS)}), "
@@ -210,10 +214,22 @@ def _field(reader, key: str, default=None):
 
 
 def gguf_config(reader, path: Path) -> ModelConfig:
+    try:
+        return _gguf_config(reader, path)
+    except (ConfigError, ModelLoadError):
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError) as e:  # corrupt metadata values
+        raise ModelLoadError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ConfigError(f"{path}: unsupported architecture {arch!r}; eaglespec runs {sorted(GGUF_ARCHITECTURES)}")
     a = arch
+    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
+        if _field(reader, f"{a}.{key}") is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {a}.{key}")
     names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _field(reader, f"{a}.vocab_size") or (len(tokens.data) if tokens is not None else None)
@@ -265,7 +281,10 @@ def load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
     # llama.cpp permutes Q/K rows for its interleaved RoPE in the llama family only.
     transform = unpermute_llama_cpp if cfg.architecture in ("llama", "mistral") else None
-    return assemble_state_dict(cfg, get, GGUF_NAMES, transform)
+    try:
+        return assemble_state_dict(cfg, get, GGUF_NAMES, transform)
+    except RuntimeError as e:  # tensor shapes that disagree with the metadata
+        raise ModelLoadError(f"tensors do not fit the GGUF metadata: {str(e).strip().splitlines()[0]}") from None
 
 
 def load_hf_state(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -290,15 +309,29 @@ def load_hf_state(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                     tensors[k] = sf.get_tensor(k)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{path / f}: corrupt or truncated safetensors file ({e})") from None
-    return assemble_state_dict(cfg, tensors.get, HF_NAMES)
+    try:
+        return assemble_state_dict(cfg, tensors.get, HF_NAMES)
+    except RuntimeError as e:  # tensor shapes that disagree with config.json
+        raise ModelLoadError(f"{path}: tensors do not fit config.json: {str(e).strip().splitlines()[0]}") from None
 
 
 def read_hf_config(path: Path) -> ModelConfig:
     try:
         raw = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path / 'config.json'}: unreadable ({e})") from None
-    return ModelConfig.from_hf(raw)
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path / 'config.json'}: not a JSON object")
+    # transformers >= 5 writes RoPE scaling into rope_parameters instead of rope_scaling.
+    rp = raw.get("rope_parameters")
+    if not raw.get("rope_scaling") and isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
+        raw["rope_scaling"] = rp
+    try:
+        return ModelConfig.from_hf(raw)
+    except KeyError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: missing {e}") from None
+    except (TypeError, ZeroDivisionError) as e:
+        raise ModelLoadError(f"{path / 'config.json'}: invalid value ({type(e).__name__}: {e})") from None
 
 
 # --- converted cache ---------------------------------------------------------------------
