@@ -495,3 +495,21 @@ def test_non_gguf_file(tmp_path):
 def test_dir_without_config(tmp_path):
     with pytest.raises(ModelLoadError, match="config.json"):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_loaded_model_does_not_alias_the_file(tmp_path, isolated_cache, use_cache):
+    """F32 tensors must be copied out of the GGUF's memory map: rewriting the file afterwards
+    (a new download, a re-quantisation) must not change, or crash, a model already loaded."""
+    path = tmp_path / "m.gguf"
+    ref = hf_reference(seed=16)
+    write_gguf(path, ref, qtypes().F32)
+    ours, _ = load_model(str(path), use_cache=use_cache)
+    before = logits_of(ours)
+    size = path.stat().st_size
+    data = bytearray(path.read_bytes())
+    with open(path, "r+b") as f:  # same size, new numbers, written in place
+        f.seek(size // 3)
+        f.write(np.random.default_rng(0).standard_normal((size - size // 3) // 4).astype(np.float32).tobytes())
+    assert path.read_bytes() != bytes(data)
+    torch.testing.assert_close(logits_of(ours), before, atol=0, rtol=0)

@@ -181,8 +181,11 @@ def _keys(path: Path) -> set[str]:
     if st.is_file():
         from safetensors import safe_open
 
-        with safe_open(str(st), framework="pt") as f:
-            return set(f.keys())
+        try:
+            with safe_open(str(st), framework="pt") as f:
+                return set(f.keys())
+        except Exception as e:  # corrupt or truncated: safetensors raises its own error types
+            raise ConfigError(f"draft head {path}: unreadable model.safetensors ({type(e).__name__}: {e})") from None
     return set()
 
 

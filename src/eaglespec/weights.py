@@ -277,7 +277,10 @@ def load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         except NotImplementedError as e:
             raise ModelLoadError(f"tensor {name}: quantisation {t.tensor_type.name} is not supported ({e})") from None
         shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
-        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not arr.flags.writeable:  # F32 data is a view of the file's read-only memory map: copy it out
+            arr = arr.copy()
+        return torch.from_numpy(arr).reshape(shape)
 
     # llama.cpp permutes Q/K rows for its interleaved RoPE in the llama family only.
     transform = unpermute_llama_cpp if cfg.architecture in ("llama", "mistral") else None
