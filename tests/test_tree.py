@@ -209,9 +209,9 @@ def test_rerank_invariants(case):
         sorted(values.tolist(), reverse=True)[:len(out)]
 
 
-def test_rerank_ties_prefer_the_parent():
-    # Child 1 ties its parent 0 and node 2 (another root child); keeping 2 must not keep 1
-    # without 0.
+def test_rerank_ties_go_to_the_shallower_node():
+    # As documented: on equal values the shallower node wins. Child 1 ties its parent 0 and
+    # node 2 (another root child): the best 2 are the two depth-1 nodes.
     values = torch.tensor([-1.0, -1.0, -1.0, -3.0])
     parents = torch.tensor([-1, 0, -1, 1])
     depth = torch.tensor([1, 2, 1, 3])
