@@ -77,6 +77,9 @@ class ModelConfig:
             )
         scaling = None
         rs = cfg.get("rope_scaling") or {}
+        rp = cfg.get("rope_parameters")  # transformers >= 5 writes RoPE scaling here instead
+        if not rs and isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
+            rs = rp
         rope_type = rs.get("rope_type", rs.get("type"))
         if rope_type == "llama3":
             scaling = RopeScaling(

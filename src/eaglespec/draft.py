@@ -306,10 +306,11 @@ class Drafter:
         return Tree.from_parents(tokens, layout.parents)
 
     @staticmethod
-    def _ancestor_slots(i: int, parents: list[int], slot: dict[int, int]) -> list[int]:
+    def _ancestor_slots(i: int, parents: list[int], slot: dict[int, int], root: int = 0) -> list[int]:
+        """Draft-cache slots of node i's drafted ancestors, stopping at `root` (committed)."""
         out = []
         p = parents[i]
-        while p > 0:
+        while p != root and p != -1:
             out.append(slot[p])
             p = parents[p]
         return out
@@ -324,7 +325,7 @@ class Drafter:
         frontier_hidden = state.root_hidden[None].expand(k, -1)
         slot: dict[int, int] = {}
         for d in range(1, tree_cfg.depth):
-            anc = [self._ancestor_slots_pool(i, cand_par, slot) for i in frontier]
+            anc = [self._ancestor_slots(i, cand_par, slot, root=-1) for i in frontier]
             start = self.cache.length
             out = self._run_nodes([cand_tok[i] for i in frontier], frontier_hidden, d, anc)
             for j, i in enumerate(frontier):
@@ -349,12 +350,3 @@ class Drafter:
         parents = [-1] + [0 if cand_par[c] == -1 else new_index[cand_par[c]] for c in keep]
         values = torch.tensor([0.0] + [cand_val[c] for c in keep])
         return Tree.from_parents(tokens, parents, values=values)
-
-    @staticmethod
-    def _ancestor_slots_pool(i: int, parents: list[int], slot: dict[int, int]) -> list[int]:
-        out = []
-        p = parents[i]
-        while p != -1:
-            out.append(slot[p])
-            p = parents[p]
-        return out

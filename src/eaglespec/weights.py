@@ -325,10 +325,6 @@ def read_hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path / 'config.json'}: unreadable ({e})") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path / 'config.json'}: not a JSON object")
-    # transformers >= 5 writes RoPE scaling into rope_parameters instead of rope_scaling.
-    rp = raw.get("rope_parameters")
-    if not raw.get("rope_scaling") and isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
-        raw["rope_scaling"] = rp
     try:
         return ModelConfig.from_hf(raw)
     except KeyError as e:
