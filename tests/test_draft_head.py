@@ -298,3 +298,24 @@ def test_refuses_missing_files(tmp_path, cfg):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ConfigError, match="unreadable"):
         load_head(tmp_path, cfg)
+
+
+def test_reduced_vocab_round_trip_and_keeps_eagle_layout(tmp_path, cfg):
+    head = init_random_head(cfg, seed=4)
+    head.set_vocab(torch.tensor([7, 3, 3, 50]))  # unsorted, duplicated: stored sorted and unique
+    save_head(head, tmp_path / "h")
+    with safe_open(str(tmp_path / "h" / "model.safetensors"), framework="pt") as f:
+        assert not any("vocab" in k for k in f.keys())  # the EAGLE-1/2 file stays as released heads have it
+    back = load_head(tmp_path / "h", cfg)
+    assert back.vocab.tolist() == [3, 7, 50]
+    # Saving the same directory again without a vocabulary removes it.
+    head.set_vocab(None)
+    save_head(head, tmp_path / "h")
+    assert load_head(tmp_path / "h", cfg).vocab is None
+
+
+@pytest.mark.parametrize("ids", [[-1, 2], [0, 10**6], []])
+def test_reduced_vocab_out_of_range_is_refused(cfg, ids):
+    head = init_random_head(cfg, seed=4)
+    with pytest.raises(ConfigError):
+        head.set_vocab(torch.tensor(ids, dtype=torch.long))

@@ -176,10 +176,40 @@ def test_greedy_lossless_random_head(method):
             assert spec.stats.stop_reason == "max_new_tokens"
 
 
-@pytest.mark.parametrize("total, depth, top_k", [(2, 6, 10), (3, 6, 10), (5, 8, 10), (1, 6, 10), (60, 6, 10)])
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+@pytest.mark.parametrize("vocab_size", [3, 20])
+def test_reduced_draft_vocab_lossless_and_confined(method, vocab_size, monkeypatch):
+    """A head with a reduced vocabulary proposes only its tokens (even when it holds fewer
+    than top_k), and the output still equals vanilla's."""
+    cfg = tiny_config(vocab=96)
+    target = tiny_model(cfg, seed=5)
+    head = init_random_head(cfg, seed=9)
+    allowed = torch.arange(0, 96, 96 // vocab_size)[:vocab_size]
+    head.set_vocab(allowed)
+    drafter = Drafter(head, target)
+    drafted: set[int] = set()
+    real_draft = Drafter.draft
+
+    def spy(self, *a, **kw):
+        tree = real_draft(self, *a, **kw)
+        drafted.update(tree.tokens[1:].tolist())
+        return tree
+
+    monkeypatch.setattr(Drafter, "draft", spy)
+    tree = TreeConfig(method, total_tokens=12, depth=4, top_k=5)
+    with single_thread():
+        van = run_generate(target, [10, 20, 30], max_new_tokens=30)
+        spec = run_generate(target, [10, 20, 30], drafter, tree=tree, max_new_tokens=30)
+    assert spec.tokens == van.tokens
+    assert drafted and drafted <= set(allowed.tolist())
+
+
+@pytest.mark.parametrize("total, depth, top_k", [(2, 6, 10), (3, 6, 10), (5, 8, 10), (1, 6, 10), (60, 6, 10),
+                                                   (30, 3, 100)])
 def test_small_tree_wide_expansion(total, depth, top_k):
     """EAGLE-2 drafts (depth - 1) * top_k tentative nodes whatever total_tokens is: a small tree
-    with a wide expansion must still fit the draft cache (regression: KV cache overflow)."""
+    with a wide expansion must still fit the draft cache (regression: KV cache overflow).
+    top_k above the vocabulary (64) is clamped to it."""
     cfg = tiny_config(vocab=64)
     target = tiny_model(cfg, seed=6)
     tree = TreeConfig("eagle2", total_tokens=total, depth=depth, top_k=top_k)

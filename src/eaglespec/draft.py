@@ -9,6 +9,12 @@ context of n tokens the committed draft slots are 0..n-1 and the root (x[n], the
 is the last committed pair. Tree nodes at depth d sit at position n - 1 + d; their slots are
 appended during drafting and truncated afterwards: accepted tokens are re-run next step with the
 target's real features, which is what the head was trained on.
+
+Reduced draft vocabulary (optional, as in EAGLE-3): a head may carry `vocab`, the ids of the
+target tokens it can propose (the most frequent ones in its training data). Its logits are then
+the matching rows of the shared LM head only, which cuts the LM-head cost of drafting and
+training several times on a 49k vocabulary. Losslessness is untouched: the target verifies every
+draft, and tree drafts are deterministic (q = 1), which holds for any candidate set.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from .model import DecoderLayer, Rotary, Transformer, causal_mask
 from .tree import StaticLayout, Tree, rerank, static_layout, truncate_layout
 
 HEAD_FORMAT = "eaglespec-draft-v1"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 class DraftHead(nn.Module):
@@ -39,6 +46,24 @@ class DraftHead(nn.Module):
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=bias)
         self.layer = DecoderLayer(cfg, input_norm=False)
         self.rotary = Rotary(cfg)
+        # [Vd] target ids the draft may propose (sorted), or None for the full vocabulary.
+        self.register_buffer("vocab", None)
+
+    def set_vocab(self, vocab: torch.Tensor | None) -> None:
+        if vocab is not None:
+            vocab = torch.unique(vocab.long().flatten())
+            if vocab.numel() == 0 or int(vocab[0]) < 0 or int(vocab[-1]) >= self.config.vocab_size:
+                raise ConfigError(f"draft vocabulary must hold ids in [0, {self.config.vocab_size})")
+            vocab = vocab.to(self.fc.weight.device)
+        self.vocab = vocab
+
+    def lm_weight(self, target_lm_head: torch.Tensor) -> torch.Tensor:
+        """The LM-head rows this head scores: [Vd, H] (a gathered copy) or the full [V, H] weight."""
+        return target_lm_head if self.vocab is None else target_lm_head[self.vocab]
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into lm_weight's rows -> target token ids."""
+        return idx if self.vocab is None else self.vocab[idx]
 
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
         c, w = self.config, self.fc.weight
@@ -124,6 +149,14 @@ def save_head(head: DraftHead, path: str | Path, dtype: torch.dtype | None = Non
     cfg.update({"num_hidden_layers": 1, "bias": head.bias, "qkv_bias": head.config.qkv_bias,
                 "eaglespec": {"format": HEAD_FORMAT, **(extra or {})}})
     atomic_save_safetensors(sd, path / "model.safetensors", {"format": "pt"})
+    # Kept out of model.safetensors so that file stays exactly EAGLE-1/2's layout; other
+    # implementations then run the head over the full vocabulary, which works too.
+    vocab_file = path / DRAFT_VOCAB_FILE
+    if head.vocab is not None:
+        atomic_save_safetensors({"token_ids": head.vocab.cpu().to(torch.int64).contiguous()}, vocab_file, {"format": "pt"})
+        cfg["eaglespec_draft_vocab_size"] = int(head.vocab.numel())
+    elif vocab_file.exists():
+        vocab_file.unlink()
     tmp = path / "config.json.tmp"
     tmp.write_text(json.dumps(cfg, indent=2))
     tmp.replace(path / "config.json")
@@ -173,6 +206,15 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.
         raise ConfigError(f"draft head {path}: tensor shapes do not fit its config.json ({e})") from None
     if "embed_tokens.weight" in sd and tuple(sd["embed_tokens.weight"].shape) != (target.vocab_size, target.hidden_size):
         raise ConfigError(f"draft head {path}: its embedding {tuple(sd['embed_tokens.weight'].shape)} does not fit the target")
+    if (path / DRAFT_VOCAB_FILE).is_file():
+        from safetensors.torch import load_file
+
+        try:
+            head.set_vocab(load_file(str(path / DRAFT_VOCAB_FILE))["token_ids"])
+        except ConfigError as e:
+            raise ConfigError(f"draft head {path}: {e}") from None
+        except Exception as e:  # corrupt file or missing key
+            raise ConfigError(f"draft head {path}: unreadable {DRAFT_VOCAB_FILE} ({type(e).__name__}: {e})") from None
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -217,6 +259,7 @@ class Drafter:
         self.cache: KVCache | None = None
         self.committed = 0  # draft slots holding real-feature pairs
         self._layout_cache: dict[tuple, StaticLayout] = {}
+        self._lm_weight: torch.Tensor | None = None  # gathered once: rows of a reduced vocabulary
 
     def reset(self, max_len: int) -> None:
         self.cache = self.head.new_cache(max_len)
@@ -232,9 +275,16 @@ class Drafter:
         self.committed += t
         return DraftState(root_hidden=hidden[0, -1])
 
-    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        # [K, H] -> [K, V] in fp32 (ranking by summed log-probabilities needs the precision)
-        return F.log_softmax(self.target.lm_head(hidden).float(), dim=-1)
+    def _top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[K, H] -> the k best draft tokens per row: (log-probabilities [K, k] fp32, target ids [K, k]).
+
+        Log-softmax in fp32: ranking by summed log-probabilities needs the precision.
+        """
+        if self._lm_weight is None or self._lm_weight.dtype != hidden.dtype:
+            self._lm_weight = self.head.lm_weight(self.target.lm_head.weight).contiguous()
+        lp = F.log_softmax(F.linear(hidden, self._lm_weight).float(), dim=-1)
+        v, i = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        return v, self.head.to_target_ids(i)
 
     def _run_nodes(self, tokens: list[int], parent_hidden: torch.Tensor, depth: int,
                    ancestor_slots: list[list[int]]) -> torch.Tensor:
@@ -271,10 +321,13 @@ class Drafter:
         return tree
 
     def _draft_static(self, root_token: int, state: DraftState, tree_cfg: TreeConfig, max_nodes: int) -> Tree:
-        key = tuple(map(tuple, tree_cfg.choices))
+        # A reduced vocabulary may hold fewer tokens than a node's rank asks for: drop such paths.
+        vocab = self.target.config.vocab_size if self.head.vocab is None else self.head.vocab.numel()
+        choices = [c for c in tree_cfg.choices if max(c) < vocab]
+        key = (vocab, tuple(map(tuple, choices)))
         layout = self._layout_cache.get(key)
         if layout is None:
-            layout = self._layout_cache[key] = static_layout(tree_cfg.choices)
+            layout = self._layout_cache[key] = static_layout(choices)
         if max_nodes < len(layout.parents):
             layout = truncate_layout(layout, max_nodes)
         n = len(layout.parents)
@@ -287,7 +340,7 @@ class Drafter:
         tokens = [root_token] + [0] * (n - 1)
         hidden: dict[int, torch.Tensor] = {0: state.root_hidden}
         slot: dict[int, int] = {}
-        top: dict[int, list[int]] = {0: self._logprobs(state.root_hidden[None]).topk(need[0]).indices[0].tolist()}
+        top: dict[int, list[int]] = {0: self._top(state.root_hidden[None], need[0])[1][0].tolist()}
         for d in range(1, layout.max_depth + 1):
             level = [i for i in range(n) if layout.depth[i] == d]
             for i in level:
@@ -298,9 +351,8 @@ class Drafter:
             anc = [self._ancestor_slots(i, layout.parents, slot) for i in run]
             start = self.cache.length
             out = self._run_nodes([tokens[i] for i in run], torch.stack([hidden[layout.parents[i]] for i in run]), d, anc)
-            lp = self._logprobs(out)
             width = max(need[i] for i in run)
-            idx = lp.topk(width, dim=-1).indices.tolist()
+            idx = self._top(out, width)[1].tolist()
             for j, i in enumerate(run):
                 slot[i], hidden[i], top[i] = start + j, out[j], idx[j]
         return Tree.from_parents(tokens, layout.parents)
@@ -318,8 +370,9 @@ class Drafter:
     def _draft_dynamic(self, root_token: int, state: DraftState, tree_cfg: TreeConfig, max_nodes: int) -> Tree:
         k = tree_cfg.top_k
         # Candidate pool (every drafted node, root excluded): token, parent (-1 = root), value, depth.
-        lp0 = self._logprobs(state.root_hidden[None])[0]
-        v, t = lp0.topk(k)
+        v, t = self._top(state.root_hidden[None], k)
+        v, t = v[0], t[0]
+        k = v.numel()  # a reduced vocabulary may hold fewer than top_k tokens
         cand_tok, cand_par, cand_val, cand_dep = t.tolist(), [-1] * k, v.tolist(), [1] * k
         frontier = list(range(k))
         frontier_hidden = state.root_hidden[None].expand(k, -1)
@@ -330,8 +383,7 @@ class Drafter:
             out = self._run_nodes([cand_tok[i] for i in frontier], frontier_hidden, d, anc)
             for j, i in enumerate(frontier):
                 slot[i] = start + j
-            lp = self._logprobs(out)  # [k, V]
-            cv, ct = lp.topk(k, dim=-1)  # [k, k]
+            cv, ct = self._top(out, k)  # [k, k]
             parent_val = torch.tensor([cand_val[i] for i in frontier])[:, None]
             total = (parent_val + cv.cpu()).flatten()
             base = len(cand_tok)

@@ -34,6 +34,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regenerate", action="store_true",
                    help="replace assistant turns with the target's own greedy answers before training")
     p.add_argument("--regenerate-max-tokens", type=int, default=256)
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="reduced draft vocabulary: the N most frequent answer tokens (0 = the target's full vocabulary)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True, help="fc bias (EAGLE-1/2: yes)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -123,8 +125,18 @@ def cmd_train(args) -> int:
     torch.manual_seed(args.seed)
     head = DraftHead(target.config, bias=args.bias).to(device)
     init_head_(head, args.seed)
+    if args.draft_vocab and args.draft_vocab < target.config.vocab_size:
+        from .vocab import coverage, frequent_tokens
+
+        dv = frequent_tokens([samples[i] for i in train_ids], args.draft_vocab, target.config.eos_token_ids)
+        head.set_vocab(dv.token_ids)
+        if rank == 0:
+            val_cov = coverage(dv.token_ids, [samples[i] for i in val_ids]) if val_ids else float("nan")
+            print(f"draft vocabulary: {dv.token_ids.numel():,} of {target.config.vocab_size:,} tokens, covering "
+                  f"{dv.train_coverage:.1%} of training and {val_cov:.1%} of validation answer tokens", file=sys.stderr)
     cfg = config_from(args)
-    extra = {"target": engine.source.name, "samples": len(samples), "tokens": n_tok}
+    extra = {"target": engine.source.name, "samples": len(samples), "tokens": n_tok,
+             "draft_vocab": int(head.vocab.numel()) if head.vocab is not None else target.config.vocab_size}
     state = train(head, target, store, train_ids, val_ids, out, cfg, resume=args.resume, rank=rank, world=world,
                   progress=not args.no_progress, head_extra=extra)
     if rank == 0:

@@ -3,6 +3,9 @@
 Loss (EAGLE-1): L = SmoothL1(f^[t+1], f[t+1]) + w_cls * CE(softmax(LMHead(f[t+1])), LMHead(f^[t+1])),
 on assistant positions only, with uniform noise on the input features.
 
+With a reduced draft vocabulary (head.vocab) the CE runs over those LM-head rows only: the
+target's distribution restricted to them and renormalised (a softmax over the subset's logits).
+
 n-alpha: top-1 agreement of the draft with the target when the draft's input holds n features
 it predicted itself. All chains (one starting at every position) run in parallel: the step-n
 query at position p belongs to the chain that left real features at p - n; it attends to the
@@ -33,7 +36,7 @@ class LossParts:
     total: torch.Tensor
     reg: torch.Tensor
     cls: torch.Tensor
-    acc: torch.Tensor  # top-1 agreement with the target's argmax (step 0)
+    acc: torch.Tensor  # top-1 agreement with the target's argmax over the draft vocabulary (step 0)
     positions: int
 
 
@@ -56,7 +59,8 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
         zero = pred.sum() * 0.0
         return LossParts(zero, zero, zero, zero.detach(), 0)
     reg = F.smooth_l1_loss(p_hat, f_true)
-    w = target.lm_head.weight
+    core = head.module if hasattr(head, "module") else head  # DDP wraps the head
+    w = core.lm_weight(target.lm_head.weight)  # [Vd, H]
     with torch.no_grad():
         t_logits = F.linear(f_true.to(w.dtype), w).float()
         t_prob = t_logits.softmax(-1)
@@ -77,7 +81,8 @@ def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, f
     dev = tokens.device
     emb = target.embed(tokens[1:])[None].to(head.fc.weight.dtype)  # [1, t, H]
     feats = features.to(head.fc.weight.dtype)
-    want = target.lm_head(feats[1:]).argmax(-1)  # target's top-1 at p + 1: [t]
+    want = target.lm_head(feats[1:]).argmax(-1)  # target's top-1 at p + 1 (full vocabulary): [t]
+    w_draft = head.lm_weight(target.lm_head.weight).to(feats.dtype)
     cache = KVCache(1, head.config.num_kv_heads, head.config.head_dim, t * steps, 1, emb.dtype, dev)
     pos = torch.arange(t, device=dev)[None]
     p = torch.arange(t, device=dev)
@@ -85,7 +90,7 @@ def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, f
     out = head(emb, feats[:-1][None], pos, cache)  # step 0: real features, causal
     for n in range(steps):
         valid = loss_mask[1:] & (p >= n)
-        pred = target.lm_head(out[0]).argmax(-1)
+        pred = head.to_target_ids(F.linear(out[0], w_draft).argmax(-1))
         hits.append(int(((pred == want) & valid).sum()))
         totals.append(int(valid.sum()))
         if n + 1 == steps:
