@@ -1,0 +1,93 @@
+"""`eaglespec bench`: speedup / tau / losslessness of every method on MT-bench, HumanEval, GSM8K.
+
+    eaglespec bench --datasets mt_bench,humaneval,gsm8k --limit 80 --draft default --out bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from ..config import TreeConfig
+from ..weights import DEFAULT_MODEL
+from .datasets import DATASETS
+from .methods import METHODS
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--datasets", type=_csv, default=None,
+                   help=f"comma-separated: {','.join(DATASETS)} (default: all three, or none when --data is given)")
+    p.add_argument("--data", action="append", default=[], metavar="FILE",
+                   help="an extra jsonl dataset in MT-bench, HumanEval or GSM8K format (repeatable)")
+    p.add_argument("--mt-bench", default=None, metavar="FILE", help="MT-bench question.jsonl (FastChat format)")
+    p.add_argument("--gsm8k", default=None, metavar="FILE", help='GSM8K jsonl with a "question" per line')
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
+    p.add_argument("--categories", type=_csv, default=None, help="MT-bench categories to keep, e.g. writing,coding")
+    p.add_argument("--methods", type=_csv, default=list(METHODS), help=f"comma-separated: {','.join(METHODS)}")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, with the lossless check")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alpha", action="store_true", help="also run depth-5 chain drafts and report n-alpha")
+    p.add_argument("--out", required=True, help="directory for results.json, report.md and the plots")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model id, .gguf file or checkpoint directory")
+    p.add_argument("--draft", default="default", help="draft head: default | random | PATH")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    p.add_argument("--device", default="cpu")
+    d = TreeConfig()
+    p.add_argument("--total-tokens", type=int, default=d.total_tokens, help="eagle2 tree size incl. root")
+    p.add_argument("--depth", type=int, default=d.depth, help="eagle2 drafting depth")
+    p.add_argument("--topk", type=int, default=d.top_k, help="eagle2 children per expanded node")
+    p.add_argument("--tree-choices", default=None, help="eagle static tree: JSON list of paths")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def cmd_bench(args) -> int:
+    from ..api import EagleSpec, set_threads
+    from ..tree import load_choices
+    from .datasets import load_datasets
+    from .methods import build_methods, check_names
+    from .report import write_report
+    from .runner import BenchConfig, run_bench
+
+    check_names(args.methods)
+    cfg = BenchConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                      seed=args.seed, progress=not args.no_progress)
+    names = args.datasets if args.datasets is not None else ([] if args.data else list(DATASETS))
+    paths = {k: v for k, v in (("mt_bench", args.mt_bench), ("gsm8k", args.gsm8k)) if v}
+    items = load_datasets(names, limit=args.limit, categories=args.categories, paths=paths, data=args.data)
+    kw = {"choices": load_choices(args.tree_choices)} if args.tree_choices else {}
+    tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, top_k=args.topk, **kw)
+    set_threads()
+    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device)
+    if any(m in ("eagle", "eagle2") for m in args.methods) or args.alpha:
+        engine.set_draft(args.draft)
+    methods, notes = build_methods(args.methods, engine, tree, alpha=args.alpha)
+    for n in notes:
+        print(f"# note: {n}", file=sys.stderr)
+    turns = sum(len(i.turns) for i in items)
+    print(f"# {engine.source.name} ({engine.target.dtype}), head {engine.head_name or '-'}: {len(items)} prompts, "
+          f"{turns} turns x {len(methods)} methods x {cfg.repeats} repeats", file=sys.stderr)
+    result = run_bench(engine, items, methods, cfg, notes)
+    # The command line as typed, when this process is the eaglespec command (not a test calling main()).
+    typed = Path(sys.argv[0]).name in ("eaglespec", "__main__.py")
+    files = write_report(result, args.out, command="eaglespec " + shlex.join(sys.argv[1:]) if typed else None)
+    print(files.report.read_text())
+    print(f"# wrote {files.results}, {files.report}, {', '.join(str(p) for p in files.plots)}", file=sys.stderr)
+    if result.mismatches:
+        print(f"eaglespec bench: {len(result.mismatches)} LOSSLESS MISMATCHES (bugs); see {files.report}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark methods: speedup, tau, losslessness; tables and plots")
+    add_bench_args(p)
+    p.set_defaults(func=cmd_bench)
