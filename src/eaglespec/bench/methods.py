@@ -194,7 +194,7 @@ def load_llamacpp(engine, n_ctx: int) -> tuple[Method | None, str]:
         import llama_cpp
     except ImportError as e:
         return None, (f"llamacpp skipped: llama-cpp-python is not installed ({e}); "
-                      "install it with: pip install llama-cpp-python (builds llama.cpp, about 5 minutes)")
+                      "install it with: pip install 'eaglespec[llamacpp]' (builds llama.cpp, about 5 minutes)")
     try:
         llm = llama_cpp.Llama(model_path=str(engine.source.path), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
                               seed=0, verbose=False)

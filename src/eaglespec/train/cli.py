@@ -18,6 +18,14 @@ import torch
 from .loop import TrainConfig
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (Linux reports KiB, macOS bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     from ..weights import DEFAULT_MODEL
 
@@ -116,10 +124,11 @@ def cmd_train(args) -> int:
         if world > 1:
             torch.distributed.barrier()
         rep = dump_features(target, samples, feat_dir, args.shard_size, rank, world, progress=not args.no_progress)
-        if rank == 0:
-            print(rep.summary(), file=sys.stderr)
         if world > 1:
             torch.distributed.barrier()
+        if rank == 0:  # each rank dumps its own shards; this line covers rank 0's share
+            print(rep.summary() + (f" (rank 0's {rep.shards_total} of {world} ranks' shards)" if world > 1 else ""),
+                  file=sys.stderr)
         n_shards = (len(samples) + args.shard_size - 1) // args.shard_size
         store = SampleStore([shard_path(feat_dir, i) for i in range(n_shards)])
     torch.manual_seed(args.seed)
@@ -142,8 +151,8 @@ def cmd_train(args) -> int:
     if rank == 0:
         metrics = json.loads((out / "metrics.json").read_text())
         print(f"done: {state.step} steps; head in {out / 'head'}; n-alpha "
-              f"{[round(a, 3) for a in metrics.get('n_alpha', [])]}, implied tau {metrics.get('implied_tau', 0):.2f}",
-              file=sys.stderr)
+              f"{[round(a, 3) for a in metrics.get('n_alpha', [])]}, implied tau {metrics.get('implied_tau', 0):.2f}; "
+              f"peak memory {peak_rss_gib():.1f} GiB", file=sys.stderr)
     if world > 1:
         torch.distributed.destroy_process_group()
     return 0

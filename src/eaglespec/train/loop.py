@@ -163,7 +163,11 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
         state = TrainState(**saved["state"])
         if rank == 0:
             print(f"resumed from {ckpt}: step {state.step}, epoch {state.epoch}, batch {state.batch_in_epoch}")
-    per_epoch = len(make_batches(store, train_ids, cfg.batch_tokens, cfg.seed, 0)) // world
+    n_batches = len(make_batches(store, train_ids, cfg.batch_tokens, cfg.seed, 0))
+    per_epoch = n_batches // world
+    if per_epoch == 0:
+        raise ValueError(f"fewer training batches ({n_batches}) than processes ({world}): "
+                         "use more data or a smaller --batch-tokens")
     total = cfg.max_steps or max(1, int(per_epoch * cfg.epochs))
     autocast = cfg.autocast == "on" or (cfg.autocast == "auto" and device.type == "cuda")
     log = open(out / "log.jsonl", "a") if rank == 0 else None
@@ -171,13 +175,13 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
     t0, tokens0 = time.perf_counter(), state.tokens_seen
 
     def checkpoint() -> None:
-        if rank != 0:
-            return
         rngs = [noise_gen.get_state()]
-        if world > 1:  # every rank's noise state, so each resumes its own stream
-            gathered = [None] * world
+        if world > 1:  # every rank's noise state, so each resumes its own stream (a collective:
+            gathered = [None] * world  # every rank must join it before rank 0 alone saves)
             torch.distributed.all_gather_object(gathered, noise_gen.get_state())
             rngs = gathered
+        if rank != 0:
+            return
         atomic_torch_save({"head": head.state_dict(), "optimizer": opt.state_dict(), "noise_rng": rngs,
                            "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                            "state": asdict(state), "config": asdict(cfg)}, ckpt)
@@ -198,8 +202,8 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
             state.step += 1
             state.batch_in_epoch += 1
             state.tokens_seen += int(batch.loss_mask.numel()) * world
-            rec = {"step": state.step, "epoch": state.epoch, "loss": float(parts.total), "reg": float(parts.reg),
-                   "cls": float(parts.cls), "acc": float(parts.acc), "lr": opt.param_groups[0]["lr"],
+            rec = {"step": state.step, "epoch": state.epoch, "loss": parts.total.item(), "reg": parts.reg.item(),
+                   "cls": parts.cls.item(), "acc": float(parts.acc), "lr": opt.param_groups[0]["lr"],
                    "tokens_per_s": (state.tokens_seen - tokens0) / max(1e-9, time.perf_counter() - t0)}
             bar.update(1)
             bar.set_postfix(reg=f"{rec['reg']:.3f}", cls=f"{rec['cls']:.2f}", acc=f"{rec['acc']:.2f}",

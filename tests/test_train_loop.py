@@ -1,0 +1,373 @@
+"""Tests for the training pipeline (eaglespec.train.features / loop / cli) on tiny models:
+feature-dump resume after a SIGKILL, a training step lowering the loss, checkpoint resume giving
+the uninterrupted run's losses, and a 2-process torchrun (gloo) DDP run.
+
+Everything runs on the CPU in seconds; the data tests live in test_train_data.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglespec.draft import DraftHead, init_head_
+from eaglespec.train import loop
+from eaglespec.train.data import TokenizedSample
+from eaglespec.train.features import dump_features, shard_path
+from eaglespec.train.loop import SampleStore, TrainConfig, collate, make_batches, train
+from eaglespec.train.loss import eagle_loss
+
+from conftest import WORDS
+from tiny import tiny_config, tiny_model
+
+TESTS = Path(__file__).resolve().parent
+MODEL_SEED = 3
+SHARD = 4  # samples per shard
+N_SAMPLES = 20  # -> 5 shards
+
+
+def make_samples(n: int = N_SAMPLES, seed: int = 0, vocab: int = 96) -> list[TokenizedSample]:
+    """Random token sequences of 6..20 tokens; loss on everything after a 3-token 'prompt'."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        t = rng.randint(6, 20)
+        out.append(TokenizedSample([rng.randrange(vocab) for _ in range(t)], [0, 0, 0] + [1] * (t - 3)))
+    return out
+
+
+def target_model():
+    return tiny_model(tiny_config(), seed=MODEL_SEED)
+
+
+def shard_tensors(d: Path, i: int) -> dict[str, torch.Tensor]:
+    return load_file(str(shard_path(d, i)))
+
+
+# --- 1. feature dump: a SIGKILL between or inside shards, then a rerun ------------------------
+KILLER = r"""
+import json, os, signal, sys
+from pathlib import Path
+tests, out, samples_file, kill, threads = sys.argv[1:6]
+sys.path.insert(0, tests)
+import torch
+torch.set_num_threads(int(threads))
+import safetensors.torch as st
+from eaglespec.train import features as F
+from eaglespec.train.data import TokenizedSample
+from tiny import tiny_config, tiny_model
+
+samples = [TokenizedSample(**d) for d in json.loads(Path(samples_file).read_text())]
+model = tiny_model(tiny_config(), seed=int(os.environ["MODEL_SEED"]))
+where, n = kill.split(":")
+n = int(n)
+calls = [0]
+if where == "forward":  # SIGKILL as the n-th sample's forward starts
+    real = F.target_features
+    def target_features(*a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **k)
+    F.target_features = target_features
+else:  # SIGKILL in the middle of writing the n-th shard file (half of it on disk)
+    real_save = st.save_file
+    def save_file(tensors, filename, metadata=None):
+        calls[0] += 1
+        real_save(tensors, filename, metadata=metadata)
+        if calls[0] == n:
+            p = Path(filename)
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+    st.save_file = save_file
+F.dump_features(model, samples, Path(out), int(os.environ["SHARD"]), progress=False)
+sys.exit(3)  # never reached: the kill comes first
+"""
+
+
+@pytest.fixture(scope="module")
+def reference_dump(tmp_path_factory):
+    """An uninterrupted dump of the same samples with the same model."""
+    d = tmp_path_factory.mktemp("ref_features")
+    rep = dump_features(target_model(), make_samples(), d, SHARD, progress=False)
+    assert rep.shards_total == 5 and rep.shards_written == 5 and rep.shards_skipped == 0
+    return d
+
+
+@pytest.mark.parametrize("kill", [
+    "forward:9",  # between shards: shards 0-1 finished, shard 2 not begun
+    "forward:11",  # inside shard 2, after 2 of its 4 samples
+    "write:3",  # while shard 2's file is being written (a truncated temp file is left behind)
+])
+def test_feature_dump_resumes_after_sigkill(tmp_path, reference_dump, kill):
+    samples = make_samples()
+    out = tmp_path / "features"
+    sfile = tmp_path / "samples.json"
+    sfile.write_text(json.dumps([{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in samples]))
+    env = {**os.environ, "MODEL_SEED": str(MODEL_SEED), "SHARD": str(SHARD)}
+    r = subprocess.run([sys.executable, "-c", KILLER, str(TESTS), str(out), str(sfile), kill,
+                        str(torch.get_num_threads())], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -9, (r.returncode, r.stderr[-2000:])  # really SIGKILLed
+    assert [shard_path(out, i).is_file() for i in range(5)] == [True, True, False, False, False]
+    if kill.startswith("write"):
+        assert list(out.glob("shard_00002*.tmp")), "the kill should leave a half-written temp file"
+    before = {i: (shard_path(out, i).stat().st_mtime_ns, shard_path(out, i).stat().st_ino) for i in (0, 1)}
+
+    rep = dump_features(target_model(), samples, out, SHARD, progress=False)
+
+    assert (rep.shards_total, rep.shards_skipped, rep.shards_written) == (5, 2, 3)
+    assert rep.tokens_written == sum(len(s) for s in samples[2 * SHARD:])
+    assert "(2 already done)" in rep.summary()
+    after = {i: (shard_path(out, i).stat().st_mtime_ns, shard_path(out, i).stat().st_ino) for i in (0, 1)}
+    assert after == before, "finished shards must not be rewritten"
+    for i in range(5):
+        got, want = shard_tensors(out, i), shard_tensors(reference_dump, i)
+        assert sorted(got) == sorted(want)
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (i, k)
+    # and the store built from it serves exactly the samples that went in
+    store = SampleStore([shard_path(out, i) for i in range(5)])
+    assert len(store) == len(samples)
+    for j in (0, 9, 19):
+        ids, _, mask = store.get(j)
+        assert ids.tolist() == samples[j].input_ids and mask.long().tolist() == samples[j].loss_mask
+    # a second rerun does nothing at all
+    rep2 = dump_features(target_model(), samples, out, SHARD, progress=False)
+    assert (rep2.shards_skipped, rep2.shards_written, rep2.tokens_written) == (5, 0, 0)
+
+
+# --- 2./3. the loop on a tiny target ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loop_features")
+    samples = make_samples(24, seed=1)
+    target = target_model()
+    dump_features(target, samples, d, 8, progress=False)
+    store = SampleStore([shard_path(d, i) for i in range(3)])
+    return target, store, list(range(20)), list(range(20, 24))
+
+
+def fresh_head(target, seed: int = 0) -> DraftHead:
+    torch.manual_seed(seed)
+    return init_head_(DraftHead(target.config), seed)
+
+
+def clean_loss(head, target, batch) -> float:
+    with torch.no_grad():
+        return float(eagle_loss(head, target, batch, w_cls=0.1, noise=0.0).total)
+
+
+def test_training_step_lowers_loss(tmp_path, tiny_setup):
+    target, store, train_ids, _ = tiny_setup
+    batch = collate(store, train_ids, target.device)  # batch_tokens below fits all of them in one batch
+    cfg = TrainConfig(lr=1e-3, warmup_steps=0, noise=0.0, batch_tokens=10_000, eval_every=0,
+                      checkpoint_every=0, seed=0)
+    assert len(make_batches(store, train_ids, cfg.batch_tokens, cfg.seed, 0)) == 1
+
+    head = fresh_head(target)
+    before = clean_loss(head, target, batch)
+    w0 = {k: v.clone() for k, v in head.state_dict().items()}
+    state = train(head, target, store, train_ids, [], tmp_path / "one", TrainConfig(**{**cfg.__dict__, "max_steps": 1}),
+                  progress=False)
+    assert state.step == 1
+    assert math.isclose(state.history[0]["loss"], before, rel_tol=1e-5)  # it logs the pre-step loss
+    after = clean_loss(head, target, batch)
+    assert after < before - 1e-4, (before, after)
+    assert any(not torch.equal(w0[k], v) for k, v in head.state_dict().items())
+
+    # a few more steps on the same batch keep lowering it
+    head = fresh_head(target)
+    state = train(head, target, store, train_ids, [], tmp_path / "five", TrainConfig(**{**cfg.__dict__, "max_steps": 5, "lr": 3e-3}),
+                  progress=False)
+    losses = [h["loss"] for h in state.history] + [clean_loss(head, target, batch)]
+    assert len(losses) == 6
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.95 * losses[0], losses
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, tiny_setup, monkeypatch):
+    """Kill (an exception out of the loss) in the middle of step 5; the last checkpoint is step 3;
+    --resume must replay steps 4..8 exactly as the uninterrupted run took them: same batches
+    (data position, across an epoch boundary), same noise (RNG state), same optimizer moments and
+    learning-rate schedule."""
+    target, store, train_ids, val_ids = tiny_setup
+    cfg = TrainConfig(lr=3e-3, warmup_steps=2, max_steps=8, checkpoint_every=3, eval_every=0,
+                      batch_tokens=96, noise=0.1, seed=1)
+    per_epoch = len(make_batches(store, train_ids, cfg.batch_tokens, cfg.seed, 0))
+    assert 2 <= per_epoch < 5, per_epoch  # the resumed part crosses an epoch boundary
+
+    straight = train(fresh_head(target), target, store, train_ids, val_ids, tmp_path / "a", cfg, progress=False)
+    head_a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["head"]
+    assert straight.step == 8 and straight.epoch >= 1
+
+    real_loss = loop.eagle_loss
+    calls = [0]
+
+    def dying_loss(*a, **k):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise Killed
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(loop, "eagle_loss", dying_loss)
+    with pytest.raises(Killed):
+        train(fresh_head(target), target, store, train_ids, val_ids, tmp_path / "b", cfg, progress=False)
+    monkeypatch.setattr(loop, "eagle_loss", real_loss)
+    saved = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
+    assert saved["state"]["step"] == 3
+
+    torch.manual_seed(12345)  # the process that resumes starts from other global RNG states
+    random.seed(12345)
+    resumed = train(fresh_head(target), target, store, train_ids, val_ids, tmp_path / "b", cfg, resume=True,
+                    progress=False)
+    assert resumed.step == 8
+    assert [h["step"] for h in resumed.history] == list(range(1, 9))
+    for want, got in zip(straight.history[3:], resumed.history[3:]):
+        assert want["step"] == got["step"]
+        for k in ("loss", "reg", "cls"):
+            assert math.isclose(want[k], got[k], rel_tol=1e-6, abs_tol=1e-8), (want, got)
+    head_b = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["head"]
+    for k in head_a:
+        torch.testing.assert_close(head_b[k], head_a[k], rtol=1e-6, atol=1e-7)
+    # the logged records of the resumed steps match too
+    log_b = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log_b] == [1, 2, 3, 4] + list(range(4, 9))  # step 4 was logged, then lost
+
+
+# --- 3b. the same through the command line (`--resume`) ---------------------------------------
+def write_chat_data(path: Path, n: int = 40, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))
+            a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))
+            f.write(json.dumps({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}) + "\n")
+    return path
+
+
+def train_argv(ckpt: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(ckpt), "--dtype", "fp32", "--data", str(data), "--out", str(out), "--max-length", "32",
+            "--shard-size", "8", "--batch-tokens", "128", "--lr", "3e-3", "--eval-every", "0", "--no-progress",
+            *extra]
+
+
+def read_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_cli_resume_next_step_loss(tmp_path, tiny_chat_checkpoint, isolated_cache, capsys, monkeypatch):
+    """`eaglespec train --max-steps N+1` vs `--max-steps N` then `--resume --max-steps N+1`. The
+    warm-up is longer than the run, so the learning rate does not depend on --max-steps."""
+    from eaglespec.train.cli import main
+
+    monkeypatch.delenv("EAGLESPEC_DEBUG", raising=False)
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    n = 6
+    common = ("--warmup-steps", "100", "--checkpoint-every", "2")
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "a", *common, "--max-steps", str(n + 1))) == 0
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "b", *common, "--max-steps", str(n))) == 0
+    capsys.readouterr()
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "b", *common, "--max-steps", str(n + 1),
+                           "--resume")) == 0
+    out, err = capsys.readouterr()
+    assert f"resumed from {tmp_path / 'b' / 'checkpoint.pt'}: step {n}" in out + err
+    assert "5 shards (5 already done)" in err  # the features were not recomputed
+
+    a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
+    assert [r["step"] for r in a] == list(range(1, n + 2))
+    assert [r["step"] for r in b] == list(range(1, n + 2))
+    for ra, rb in zip(a, b):
+        assert math.isclose(ra["loss"], rb["loss"], rel_tol=1e-6, abs_tol=1e-8), (ra, rb)
+    ha = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["head"]
+    hb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["head"]
+    for k in ha:
+        torch.testing.assert_close(hb[k], ha[k], rtol=1e-6, atol=1e-7)
+    assert (tmp_path / "b" / "head" / "model.safetensors").is_file()
+
+
+# --- 4. torchrun, 2 processes, gloo ------------------------------------------------------------
+def test_torchrun_ddp_two_ranks(tmp_path, tiny_chat_checkpoint, isolated_cache):
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    out = tmp_path / "ddp"
+    steps = 12
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(TESTS / "ddp_worker.py"),
+           *train_argv(tiny_chat_checkpoint, data, out, "--warmup-steps", "2", "--checkpoint-every", "5",
+                       "--max-steps", str(steps))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EAGLESPEC_CACHE": str(isolated_cache)}
+    env.pop("EAGLESPEC_DEBUG", None)
+    # A hang (a collective one rank never joins) must not stall the suite: each worker ends itself
+    # with SIGALRM after DDP_WORKER_ALARM seconds (the run itself takes ~15 s), and as a last
+    # resort the whole process tree is killed here (torchrun puts each worker in its own session).
+    env["DDP_WORKER_ALARM"] = "150"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, err = proc.communicate()
+        pytest.fail(f"torchrun hung (killed after 90 s): {err[-3000:]}")
+    assert proc.returncode == 0, err[-4000:]
+
+    ranks = [torch.load(out / f"rank{i}.pt", weights_only=False) for i in (0, 1)]
+    assert [x["step"] for x in ranks] == [steps, steps]
+    # each rank trained on its own share of the data
+    seen = [{i for b in x["batches"] for i in b} for x in ranks]
+    assert len(ranks[0]["batches"]) == len(ranks[1]["batches"]) == steps
+    assert seen[0] and seen[1] and seen[0] != seen[1]
+    # the parameters are identical on both ranks, trained, and what rank 0 checkpointed
+    p0, p1 = ranks[0]["params"], ranks[1]["params"]
+    assert sorted(p0) == sorted(p1)
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), k
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert saved["state"]["step"] == steps and len(saved["noise_rng"]) == 2
+    for k in p0:
+        assert torch.equal(saved["head"][k].cpu(), p0[k]), k
+    torch.manual_seed(0)
+    init = init_head_(DraftHead(target_config_of(tiny_chat_checkpoint)), 0).state_dict()
+    assert any(not torch.equal(init[k], p0[k]) for k in init if k in p0)
+    # the loss falls (rank 0's log)
+    log = read_log(out)
+    assert [rec["step"] for rec in log] == list(range(1, steps + 1))
+    losses = [rec["loss"] for rec in log]
+    assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
+    assert (out / "head" / "model.safetensors").is_file()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc; empty elsewhere)."""
+    found, stack = [], [pid]
+    while stack:
+        for f in Path(f"/proc/{stack.pop()}/task").glob("*/children"):
+            try:
+                kids = [int(x) for x in f.read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            stack += kids
+    return found
+
+
+def target_config_of(ckpt: Path):
+    from eaglespec.api import EagleSpec
+
+    return EagleSpec.load(str(ckpt), dtype="fp32").target.config
