@@ -195,6 +195,23 @@ def test_training_step_lowers_loss(tmp_path, tiny_setup):
     assert losses[-1] < 0.95 * losses[0], losses
 
 
+def test_bf16_target_with_fp32_head_trains_and_evaluates(tmp_path, tiny_setup):
+    """On a CPU with native bf16, `--dtype auto` loads the target in bf16 while the head trains in
+    fp32: the loss and the n-alpha evaluation must both run across the two dtypes (regression:
+    the evaluation crashed at its first call with a dtype mismatch)."""
+    target, store, train_ids, val_ids = tiny_setup
+    target16 = tiny_model(tiny_config(), seed=MODEL_SEED).to(torch.bfloat16)
+    head = fresh_head(target16)
+    assert head.fc.weight.dtype == torch.float32
+    ev = loop.evaluate(head, target16, store, val_ids)
+    assert len(ev["n_alpha"]) == 5 and all(0.0 <= a <= 1.0 for a in ev["n_alpha"]) and ev["val_positions"] > 0
+    cfg = TrainConfig(lr=1e-3, warmup_steps=0, batch_tokens=10_000, eval_every=1, eval_samples=len(val_ids),
+                      checkpoint_every=0, seed=0, max_steps=2)
+    state = train(head, target16, store, train_ids, val_ids, tmp_path / "bf16", cfg, progress=False)
+    assert state.step == 2 and all(math.isfinite(h["loss"]) for h in state.history)
+    assert (tmp_path / "bf16" / "head" / "model.safetensors").is_file()
+
+
 class Killed(Exception):
     pass
 

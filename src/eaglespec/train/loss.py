@@ -81,7 +81,9 @@ def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, f
     dev = tokens.device
     emb = target.embed(tokens[1:])[None].to(head.fc.weight.dtype)  # [1, t, H]
     feats = features.to(head.fc.weight.dtype)
-    want = target.lm_head(feats[1:]).argmax(-1)  # target's top-1 at p + 1 (full vocabulary): [t]
+    # The target's top-1 at p + 1 (full vocabulary): [t]. The head may be fp32 beside a bf16 target,
+    # so the LM head is applied in the head's dtype.
+    want = F.linear(feats[1:], target.lm_head.weight.to(feats.dtype)).argmax(-1)
     w_draft = head.lm_weight(target.lm_head.weight).to(feats.dtype)
     cache = KVCache(1, head.config.num_kv_heads, head.config.head_dim, t * steps, 1, emb.dtype, dev)
     pos = torch.arange(t, device=dev)[None]
