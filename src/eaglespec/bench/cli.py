@@ -80,6 +80,9 @@ def cmd_bench(args) -> int:
     files = write_report(result, args.out, command="eaglespec " + shlex.join(sys.argv[1:]) if typed else None)
     print(files.report.read_text())
     print(f"# wrote {files.results}, {files.report}, {', '.join(str(p) for p in files.plots)}", file=sys.stderr)
+    if result.rounding_differences:
+        print(f"eaglespec bench: {len(result.rounding_differences)} outputs differ from vanilla by reduced-precision "
+              f"rounding at near-ties (exact in fp32); see {files.report}", file=sys.stderr)
     if result.mismatches:
         print(f"eaglespec bench: {len(result.mismatches)} LOSSLESS MISMATCHES (bugs); see {files.report}",
               file=sys.stderr)
