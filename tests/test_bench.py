@@ -89,16 +89,21 @@ def test_quick_run_writes_results_report_and_plots(engine, mixed, tmp_path):
     assert all(p.read_bytes()[:8] == PNG for p in files.plots)
 
 
-def test_planted_mismatch_is_caught_and_reported(engine, mixed, tmp_path, monkeypatch, capsys):
+def plant_eagle2_mismatch(monkeypatch, vocab_size: int) -> None:
+    """Make eagle2's last generated token differ from the one it really produced."""
     real_run = EngineMethod.run
 
     def corrupted(self, *args):
         out = real_run(self, *args)
         if self.name == "eagle2":
-            out.token_ids[-1] = (out.token_ids[-1] + 1) % engine.target.config.vocab_size
+            out.token_ids[-1] = (out.token_ids[-1] + 1) % vocab_size
         return out
 
     monkeypatch.setattr(EngineMethod, "run", corrupted)
+
+
+def test_planted_mismatch_is_caught_and_reported(engine, mixed, tmp_path, monkeypatch, capsys):
+    plant_eagle2_mismatch(monkeypatch, engine.target.config.vocab_size)
     items = load_datasets([], data=[mixed], limit=1)
     methods, _ = build_methods(["vanilla", "eagle2"], engine)
     result = run_bench(engine, items, methods, BenchConfig(max_new_tokens=6, progress=False))
@@ -118,15 +123,7 @@ def test_bf16_difference_is_reported_as_rounding_not_a_bug(engine, mixed, tmp_pa
 
     e16 = EagleSpec(copy.deepcopy(engine.target).to(torch.bfloat16), engine.tokenizer, engine.source)
     e16.set_draft("random")
-    real_run = EngineMethod.run
-
-    def corrupted(self, *args):
-        out = real_run(self, *args)
-        if self.name == "eagle2":
-            out.token_ids[-1] = (out.token_ids[-1] + 1) % e16.target.config.vocab_size
-        return out
-
-    monkeypatch.setattr(EngineMethod, "run", corrupted)
+    plant_eagle2_mismatch(monkeypatch, e16.target.config.vocab_size)
     methods, _ = build_methods(["vanilla", "eagle2"], e16)
     result = run_bench(e16, load_datasets([], data=[mixed], limit=1), methods,
                        BenchConfig(max_new_tokens=6, progress=False))

@@ -145,6 +145,7 @@ def run_bench(engine, items: list[BenchItem], methods: list[Method], cfg: BenchC
                                           "dtype": str(engine.target.dtype).replace("torch.", ""),
                                           "device": str(engine.target.device)}, list(notes))
     window = engine.target.config.max_position_embeddings
+    exact = engine.target.dtype == torch.float32  # greedy equality is exact only in fp32
     text, ids = _encode(engine, [{"role": "user", "content": items[0].turns[0]}])
     warm = min(cfg.warmup_tokens, cfg.max_new_tokens, max(1, window - len(ids)))
     for m in methods:  # warm-up: first calls pay for allocator growth and lazy initialisation
@@ -173,7 +174,6 @@ def run_bench(engine, items: list[BenchItem], methods: list[Method], cfg: BenchC
                     bar.update(1)
                 rows = [_row(item, turn, rep, n, prompts[n][1], outs[n]) for n in names]
                 if sampling.greedy:
-                    exact = engine.target.dtype == torch.float32
                     found = check_against_vanilla(rows, {n: p[1] for n, p in prompts.items()}, outs, lossless,
                                                   say, exact)
                     (result.mismatches if exact else result.rounding_differences).extend(found)
