@@ -17,8 +17,9 @@ from typing import Iterator, Union
 import torch
 
 from .config import ConfigError, SamplingConfig, TreeConfig
-from .draft import Drafter, DraftHead, init_random_head, load_head
-from .generate import GenerationStats, check_request, cut_at_stop_string, generate_tokens
+from .draft import DraftHead, init_random_head, load_head
+from .runtime.engine import Engine, Request
+from .runtime.request import GenerationStats, check_request, cut_at_stop_string
 from .model import Transformer
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import DEFAULT_MODEL, ModelSource, load_model
@@ -136,7 +137,8 @@ class EagleSpec:
                  head: DraftHead | None = None, head_name: str = "") -> None:
         self.target, self.tokenizer, self.source = target, tokenizer, source
         self.head, self.head_name = head, head_name
-        self.drafter = Drafter(head, target) if head is not None else None
+        # The one engine every request runs through (CLI, bench, server, this API).
+        self.engine = Engine(target, head, eos_ids=tokenizer.eos_token_ids, decode=tokenizer.decode)
         self.load_s = 0.0
 
     @classmethod
@@ -166,7 +168,8 @@ class EagleSpec:
             if not path.exists():
                 raise ConfigError(f"draft head {path} does not exist")
             head, name = load_head(path, cfg, dt, dev), str(draft)
-        self.head, self.head_name, self.drafter = head, name, Drafter(head, self.target)
+        self.engine.set_head(head)
+        self.head, self.head_name = head, name
 
     def encode(self, prompt: Prompt, chat: bool = True, system: str | None = None) -> tuple[str, list[int]]:
         """Prompt text (or messages) -> (rendered prompt text, token ids)."""
@@ -185,22 +188,19 @@ class EagleSpec:
                system: str | None = None, stop: list[str] = ()) -> Stream:
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-        drafter = None
         if method != "vanilla":
-            if self.drafter is None:
-                self.set_draft("default")
-            drafter = self.drafter
+            with self.engine.lock:
+                if self.head is None:
+                    self.set_draft("default")
             tree = tree or TreeConfig(method=method)
             if tree.method != method:
                 tree = TreeConfig(method=method, total_tokens=tree.total_tokens, depth=tree.depth,
                                   top_k=tree.top_k, choices=tree.choices)
         text, ids = self.encode(prompt, chat, system)
         check_request(self.target.config.max_position_embeddings, len(ids), max_new_tokens)
-        stats = GenerationStats()
-        tokens = generate_tokens(self.target, ids, drafter=drafter, tree=tree, sampling=sampling,
-                                 max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_token_ids,
-                                 stop_strings=list(stop), decode=self.tokenizer.decode, stats=stats)
-        return Stream(self, text, ids, method, tokens, stats, list(stop))
+        req = self.engine.submit(Request(ids, method, tree if method != "vanilla" else None,
+                                         sampling or SamplingConfig(), max_new_tokens, list(stop)))
+        return Stream(self, text, ids, method, self.engine.chunks(req), req.stats, list(stop))
 
     def generate(self, prompt: Prompt, **kwargs) -> GenerationResult:
         return self.stream(prompt, **kwargs).run()

@@ -79,3 +79,102 @@ class KVCache:
             self.k[:, :, :, start:start + n] = self.k.index_select(3, src)
             self.v[:, :, :, start:start + n] = self.v.index_select(3, src)
         self.length = start + n
+
+
+class RowKVCache:
+    """A KV cache for B independent rows: [layers, B, n_kv_heads, capacity, head_dim].
+
+    Each row has its own committed length (`lengths`, [B] long, on the cache's device). Before a
+    forward, `prepare(slots, view_len)` says where its T new entries go in every row ([B, T] slot
+    ids) and how many leading slots attention reads; the caller's mask decides which of those a
+    query may see. Writes are scatters, so a step's shapes depend only on (B, T, view_len): a
+    CUDA graph can replay them with view_len fixed at the capacity.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, batch_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._slots: torch.Tensor | None = None
+        self._view = 0
+
+    @classmethod
+    def _wrap(cls, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> "RowKVCache":
+        c = cls.__new__(cls)
+        c.k, c.v, c.lengths, c._slots, c._view = k, v, lengths, None, 0
+        return c
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k.shape[3])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.k.shape[1])
+
+    def rows(self, start: int, stop: int) -> "RowKVCache":
+        """A cache over rows start..stop-1 that shares this one's storage (writes go through)."""
+        return RowKVCache._wrap(self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop])
+
+    def prepare(self, slots: torch.Tensor, view_len: int) -> None:
+        """The next forward writes new entry t of row b at slot slots[b, t] ([B, T]) and attends
+        over slots [0, view_len)."""
+        if view_len > self.capacity:
+            raise ValueError(f"KV cache overflow: {view_len} slots asked of a cache of {self.capacity}; "
+                             "allocate a larger cache (max_new_tokens / context)")
+        self._slots, self._view = slots, view_len
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scatter k, v ([B, n_kv, T, hd]) into the prepared slots; return [B, n_kv, view_len, hd] views."""
+        assert self._slots is not None, "call prepare() before a forward"
+        idx = self._slots[:, None, :, None].expand_as(k)
+        self.k[layer].scatter_(2, idx, k)
+        self.v[layer].scatter_(2, idx, v)
+        return self.k[layer, :, :, : self._view], self.v[layer, :, :, : self._view]
+
+    def advance(self, t: int) -> None:
+        """Lengths move only when the step commits (after verification), not per forward."""
+
+    def keep(self, start: torch.Tensor, src: torch.Tensor, count: torch.Tensor) -> None:
+        """Per row: move slots start + src[b, j] to start + j for j < count[b]; commit them.
+
+        start, count: [B]; src: [B, D] relative slot ids, increasing along a row (so entry j
+        never moves right and gathering before scattering handles overlaps). Entries j >= count
+        are copied too (harmless: they land past the new committed length).
+        """
+        b, d = src.shape
+        frm = (start[:, None] + src)[None, :, None, :, None]
+        to = (start[:, None] + torch.arange(d, device=src.device))[None, :, None, :, None]
+        shape = (self.k.shape[0], b, self.k.shape[2], d, self.k.shape[4])
+        for t in (self.k, self.v):
+            moved = torch.gather(t, 3, frm.expand(shape))
+            t.scatter_(3, to.expand(shape), moved)
+        self.lengths.copy_(start + count)
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate to a larger capacity, keeping every row's entries."""
+        if capacity <= self.capacity:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[:3] + (capacity, old.shape[4]))
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+
+def row_attention_mask(committed: torch.Tensor, start: torch.Tensor, ancestors: torch.Tensor,
+                       view_len: int) -> torch.Tensor:
+    """The mask of a forward over T new entries per row written at start[b] + 0..T-1.
+
+    committed [B]: slots [0, committed) are visible to every new entry; start [B]; ancestors
+    [B, T, T] bool: new entry i sees new entry j iff ancestors[b, i, j] (a causal block for a
+    chain, the tree's ancestor mask for a tree). Returns [B, T, view_len] bool.
+    """
+    b, t, _ = ancestors.shape
+    cols = torch.arange(view_len, device=ancestors.device)[None]  # [1, S]
+    rel = cols - start[:, None]  # [B, S] offset into the new block
+    in_block = (rel >= 0) & (rel < t)
+    picked = torch.gather(ancestors, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, view_len))
+    return (cols < committed[:, None])[:, None, :] | (in_block[:, None, :] & picked)

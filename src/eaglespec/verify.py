@@ -15,12 +15,14 @@ emitted token at each position is distributed exactly as p.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .config import SamplingConfig
 from .sampling import probabilities
+from .spec.rng import draw
 from .tree import Tree
 
 
@@ -52,8 +54,14 @@ def verify_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
 
 
 def verify_sampling(tree: Tree, logits: torch.Tensor, cfg: SamplingConfig,
-                    generator: torch.Generator | None) -> Acceptance:
-    """logits: [N, V]; tree.draft_probs [N, V] (row i: q that i's children were drawn from) or None."""
+                    generator: torch.Generator | None, *,
+                    uniform: Callable[[int, str], float] | None = None) -> Acceptance:
+    """logits: [N, V]; tree.draft_probs [N, V] (row i: q that i's children were drawn from) or None.
+
+    uniform(node, purpose): when given, replaces `generator` as the source of randomness: the
+    accept test for child c uses uniform(c, 'accept') and the bonus is an inverse-CDF draw with
+    uniform(final_node, 'bonus'), so the batched verifier can be checked against this one exactly.
+    """
     tokens = tree.tokens.tolist()
     node, nodes, accepted = 0, [0], []
     while True:
@@ -62,7 +70,7 @@ def verify_sampling(tree: Tree, logits: torch.Tensor, cfg: SamplingConfig,
         nxt = None
         for c in tree.children[node]:
             x = tokens[c]
-            r = float(torch.rand((), generator=generator))
+            r = float(torch.rand((), generator=generator)) if uniform is None else uniform(c, "accept")
             if q is None:
                 if r < float(p[x]):
                     nxt = c
@@ -84,7 +92,11 @@ def verify_sampling(tree: Tree, logits: torch.Tensor, cfg: SamplingConfig,
         if nxt is None:
             if p.sum() <= 0:
                 p = probabilities(logits[node], cfg)
-            bonus = int(torch.multinomial(p, 1, generator=generator))
+            if uniform is None:
+                bonus = int(torch.multinomial(p, 1, generator=generator))
+            else:
+                u = torch.tensor([uniform(node, "bonus")], dtype=torch.float64)
+                bonus = int(draw(p[None], u)[0])
             return Acceptance(nodes, accepted, bonus)
         node = nxt
         nodes.append(node)

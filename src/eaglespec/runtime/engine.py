@@ -1,0 +1,326 @@
+"""The engine: owns the models, admits requests into rows, steps them together, retires them.
+
+Requests that share a speculation setting (method and tree) run in one `Lane`: a batch of up to
+`max_batch` rows with its own target and draft KV caches, advanced together by one `SpecStep`.
+Each request keeps its own sampling parameters, seed, stop rules and statistics, and its output
+does not depend on which other requests share its lane (random numbers are drawn per request).
+
+There is no background thread: whoever waits for output drives the engine (`Engine.step` under
+one lock), so several streams in one thread, or in several threads, interleave safely and every
+step advances all of them. A server can drive it from a loop of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..config import SamplingConfig, TreeConfig
+from ..draft import DraftHead
+from ..kv_cache import RowKVCache
+from ..model import Transformer
+from ..spec.propose import Proposer
+from ..spec.sampling import RowSampling
+from ..spec.step import RowState, SpecStep, StepTimes, prefill_row
+from .request import GenerationError, GenerationStats, StopChecker, check_request
+
+CAPACITY_QUANTUM = 256  # KV caches grow in steps of this many slots
+
+
+@dataclass
+class Request:
+    """One generation request and everything the host tracks for it."""
+
+    prompt_ids: list[int]
+    method: str = "vanilla"  # vanilla | eagle | eagle2
+    tree: TreeConfig | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_new_tokens: int | None = 256
+    stop_strings: list[str] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    id: int = 0
+    # Filled in by the engine.
+    pending: deque = field(default_factory=deque)  # lists of new token ids, not yet taken
+    done: bool = False
+    cancelled: bool = False
+    error: BaseException | None = None
+    t_submit: float = 0.0
+
+    @property
+    def lane_key(self) -> tuple:
+        t = self.tree
+        if self.method == "vanilla" or t is None:
+            return ("vanilla",)
+        if self.method == "eagle":
+            return ("eagle", tuple(map(tuple, t.choices)))
+        return ("eagle2", t.total_tokens, t.depth, t.top_k)
+
+
+class Lane:
+    """Up to `max_batch` rows with one speculation setting, stepped together."""
+
+    def __init__(self, engine: "Engine", proposer: Proposer | None, max_batch: int) -> None:
+        self.engine, self.proposer = engine, proposer
+        self.step_fn = SpecStep(engine.target, proposer)
+        self.max_batch = max_batch
+        self.requests: list[Request | None] = [None] * max_batch
+        self.stops: list[StopChecker | None] = [None] * max_batch
+        self.lengths: list[int] = [0] * max_batch  # host mirror of committed target lengths
+        self.state: RowState | None = None
+        self._sampling: tuple[tuple, RowSampling] | None = None  # cached per set of rows
+
+    @property
+    def active(self) -> list[int]:
+        return [r for r, q in enumerate(self.requests) if q is not None]
+
+    def has_room(self) -> bool:
+        return any(q is None for q in self.requests)
+
+    def _need(self, req: Request) -> int:
+        window = self.engine.window
+        n = len(req.prompt_ids)
+        end = window if req.max_new_tokens is None else min(window, n + req.max_new_tokens)
+        return end + self.step_fn.budget
+
+    def _ensure(self, capacity: int) -> None:
+        """Allocate, or grow, the row state to hold `capacity` target slots per row."""
+        cap = -(-capacity // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
+        t, dev, b = self.engine.target, self.engine.device, self.max_batch
+        draft_extra = 0 if self.proposer is None else self.proposer.scratch + self.step_fn.path_width
+        if self.state is None:
+            c = t.config
+            tc = RowKVCache(c.num_layers, c.num_kv_heads, c.head_dim, cap, b, t.dtype, dev)
+            dc = rh = None
+            if self.proposer is not None:
+                hc, w = self.proposer.head.config, self.proposer.head.fc.weight
+                dc = RowKVCache(1, hc.num_kv_heads, hc.head_dim, cap + draft_extra, b, w.dtype, dev)
+                rh = torch.zeros(b, hc.hidden_size, dtype=w.dtype, device=dev)
+            zeros = torch.zeros(b, dtype=torch.long, device=dev)
+            self.state = RowState(zeros.clone(), torch.full_like(zeros, self.engine.window), zeros.clone(), tc, dc, rh)
+        elif cap > self.state.target_cache.capacity:
+            self.state.target_cache.grow(cap)
+            if self.state.draft_cache is not None:
+                self.state.draft_cache.grow(cap + draft_extra)
+
+    def admit(self, req: Request) -> None:
+        """Prefill `req` into a free row; its first token is pending when this returns."""
+        row = self.requests.index(None)
+        self._ensure(self._need(req))
+        e = self.engine
+        t0 = time.perf_counter()
+        first = prefill_row(e.target, self.proposer, self.state, row, req.prompt_ids,
+                            RowSampling.from_configs([req.sampling], e.device), e.prefill_chunk)
+        e.sync()
+        st = req.stats
+        st.prefill_s = time.perf_counter() - t0
+        window, n = e.window, len(req.prompt_ids)
+        stop = StopChecker(e.eos_ids, req.stop_strings,
+                           req.max_new_tokens if req.max_new_tokens is not None else window - n, e.decode)
+        self.requests[row], self.stops[row], self.lengths[row] = req, stop, n
+        self._sampling = None
+        self._emit(row, [first], t0)
+
+    def _emit(self, row: int, tokens: list[int], t_start: float) -> None:
+        """Push a row's new tokens through its stop rules; retire it when one fires."""
+        req, stop = self.requests[row], self.stops[row]
+        out, reason = [], ""
+        for tok in tokens:
+            out.append(tok)
+            reason = stop.push(tok)
+            if reason:
+                break
+        st = req.stats
+        st.new_tokens += len(out)
+        st.wall_s = time.perf_counter() - req.t_submit
+        req.pending.append(out)
+        if reason:
+            if reason == "max_new_tokens" and req.max_new_tokens is None:
+                reason = "context_full"
+            st.stop_reason = reason
+            self.retire(row)
+
+    def retire(self, row: int) -> None:
+        """Free a row (finished or cancelled); its request sees done."""
+        req = self.requests[row]
+        req.done = True
+        self.requests[row] = self.stops[row] = None
+        self.lengths[row] = 0
+        self._sampling = None
+        s = self.state
+        # An idle row keeps stepping harmlessly at the start of its own cache until reused.
+        s.target_cache.lengths[row] = 0
+        if s.draft_cache is not None:
+            s.draft_cache.lengths[row] = 0
+
+    def _row_sampling(self, span: int) -> RowSampling:
+        key = tuple(id(q) for q in self.requests[:span])
+        if self._sampling is None or self._sampling[0] != key:
+            greedy = SamplingConfig()
+            cfgs = [q.sampling if q is not None else greedy for q in self.requests[:span]]
+            self._sampling = (key, RowSampling.from_configs(cfgs, self.engine.device))
+        return self._sampling[1]
+
+    def step(self) -> None:
+        active = self.active
+        if not active:
+            return
+        e = self.engine
+        span = active[-1] + 1
+        times = StepTimes()
+        acc = self.step_fn(self.state.rows(span), self._row_sampling(span), max(self.lengths[:span]), times,
+                           e.sync if e.device.type == "cuda" else None)
+        t_done = time.perf_counter()
+        # The one device-to-host copy of the step: emitted tokens and their counts.
+        host = torch.cat((acc.emitted, acc.count[:, None]), dim=1).tolist()
+        for r in active:
+            req = self.requests[r]
+            count = host[r][-1]
+            self.lengths[r] += count
+            st = req.stats
+            st.steps += 1
+            st.accept_lengths.append(min(count, len(host[r]) - 1))
+            st.tree_sizes.append(self.step_fn.budget)
+            for d in range(count - 1):
+                if d >= len(st.accepted_per_depth):
+                    st.accepted_per_depth.append(0)
+                st.accepted_per_depth[d] += 1
+            st.draft_s += times.draft_s
+            st.verify_s += times.verify_s
+            self._emit(r, host[r][:count], t_done)
+            if not req.done:
+                continue
+            # Tokens past a stop are dropped: the step's own count still measured acceptance.
+            st.accept_lengths[-1] = len(req.pending[-1])
+
+
+class Engine:
+    """Runs requests through the batched speculative step. Thread-safe."""
+
+    def __init__(self, target: Transformer, head: DraftHead | None = None, *, eos_ids: list[int] = (),
+                 decode=None, max_batch: int = 8, prefill_chunk: int = 512) -> None:
+        self.target, self.head = target, head
+        self.eos_ids, self.decode = list(eos_ids), decode
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.window = target.config.max_position_embeddings
+        self.device = target.device
+        self.lock = threading.RLock()
+        self.lanes: dict[tuple, Lane] = {}
+        self.waiting: deque[Request] = deque()
+        self._ids = itertools.count(1)
+
+    def set_head(self, head: DraftHead | None) -> None:
+        with self.lock:
+            if any(lane.active for key, lane in self.lanes.items() if key[0] != "vanilla"):
+                raise RuntimeError("cannot change the draft head while speculative requests are running")
+            self.head = head
+            self.lanes = {k: v for k, v in self.lanes.items() if k[0] == "vanilla"}
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request (checked now, so a bad one fails in the caller's thread)."""
+        check_request(self.window, len(req.prompt_ids), req.max_new_tokens)
+        if req.method != "vanilla" and self.head is None:
+            raise GenerationError(f"method {req.method} needs a draft head")
+        if req.method != "vanilla" and req.tree is None:
+            req.tree = TreeConfig(method=req.method)
+        if req.sampling.seed is None and not req.sampling.greedy:
+            # Fixed now, so that the request's random numbers do not depend on when it runs.
+            req.sampling = SamplingConfig(req.sampling.temperature, req.sampling.top_k, req.sampling.top_p,
+                                          random.getrandbits(62))
+        with self.lock:
+            req.id = next(self._ids)
+            req.t_submit = time.perf_counter()
+            self.waiting.append(req)
+        return req
+
+    @torch.inference_mode()  # the row state is made of inference tensors
+    def cancel(self, req: Request) -> None:
+        """Stop a request now and free its row (a client that went away)."""
+        with self.lock:
+            req.cancelled = True
+            if req in self.waiting:
+                self.waiting.remove(req)
+                req.done = True
+                return
+            for lane in self.lanes.values():
+                if req in lane.requests:
+                    req.stats.stop_reason = req.stats.stop_reason or "cancelled"
+                    lane.retire(lane.requests.index(req))
+
+    def _lane(self, req: Request) -> Lane:
+        key = req.lane_key
+        if key not in self.lanes:
+            proposer = None if key[0] == "vanilla" else Proposer(self.head, self.target, req.tree)
+            self.lanes[key] = Lane(self, proposer, self.max_batch)
+        return self.lanes[key]
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Admit what fits, then advance every lane by one step. False when there is nothing to do."""
+        with self.lock:
+            still: deque[Request] = deque()
+            while self.waiting:
+                req = self.waiting.popleft()
+                lane = self._lane(req)
+                if not lane.has_room():
+                    still.append(req)
+                    continue
+                try:
+                    lane.admit(req)
+                except BaseException as err:  # a failed prefill fails its request, not the engine
+                    req.error, req.done = err, True
+                    raise
+            self.waiting = still
+            busy = [lane for lane in self.lanes.values() if lane.active]
+            for lane in busy:
+                try:
+                    lane.step()
+                except BaseException as err:
+                    for r in lane.active:
+                        lane.requests[r].error = err
+                        lane.retire(r)
+                    raise
+            return bool(busy or self.waiting)
+
+    def chunks(self, req: Request) -> Iterator[list[int]]:
+        """Yield the request's new tokens as they come, driving the engine while none are pending.
+
+        Closing the iterator early (a consumer that stops reading) cancels the request."""
+        try:
+            while True:
+                with self.lock:
+                    while not req.pending and not req.done:
+                        self.step()
+                    items = list(req.pending)
+                    req.pending.clear()
+                    done = req.done
+                if req.error is not None:
+                    raise req.error
+                yield from items
+                if done and not req.pending:
+                    return
+        finally:
+            if not req.done:
+                self.cancel(req)
+
+    def run(self, reqs: list[Request]) -> list[Request]:
+        """Submit all and drive until every one is done (throughput runs, tests)."""
+        for r in reqs:
+            self.submit(r)
+        while not all(r.done for r in reqs):
+            with self.lock:
+                self.step()
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
+        return reqs

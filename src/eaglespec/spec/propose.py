@@ -1,0 +1,235 @@
+"""Drafting for B rows at once: EAGLE-1 static trees and EAGLE-2 dynamic trees as tensors.
+
+The batched counterpart of `draft.Drafter`, growing the same trees (same head, same top-k, same
+EAGLE-2 rerank) but for every row in one head forward per depth, with nothing read back to the
+host. Shapes depend only on (B, N, view_len), so a call can be captured in a CUDA graph.
+
+Draft cache (a RowKVCache, as in Drafter): slot t of a row holds the pair (x[t+1], f[t]) at
+position t. Its committed slots are 0..lengths[b]-1; the newest of them is the root pair, and the
+head's output there (root_hidden) predicts the depth-1 tokens. A tree node at depth d sits at
+position lengths[b] - 1 + d. Drafting writes the nodes it runs through the head into scratch
+slots lengths[b] + s (s < `scratch`) and leaves `lengths` alone: the next `commit` overwrites them
+with the accepted tokens and the target's real features, which is what the head was trained on.
+A node attends to the committed slots, the scratch slots of its drafted ancestors and its own.
+
+Scratch layout: EAGLE-2 puts the K frontier nodes of depth d at s = (d - 1) * K + j; EAGLE-1 puts
+the layout's inner (non-leaf, non-root) nodes one after another, depth by depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import TreeConfig
+from ..draft import DraftHead
+from ..kv_cache import RowKVCache, row_attention_mask
+from ..model import Transformer
+from ..tree import static_layout
+from .tree import BatchTree, ancestors_from_parents
+
+
+def scratch_mask(committed: torch.Tensor, anc: torch.Tensor, view_len: int) -> torch.Tensor:
+    """committed [B]; anc [B, T, S] bool: new entry i sees scratch slot committed + s iff anc[b, i, s].
+
+    -> [B, T, view_len] bool: every committed slot, plus the scratch slots anc selects."""
+    b, t, s = anc.shape
+    rel = torch.arange(view_len, device=anc.device)[None] - committed[:, None]  # [B, V] offset past committed
+    picked = torch.gather(anc, 2, rel.clamp(0, s - 1)[:, None].expand(b, t, view_len))  # [B, T, V]
+    in_scratch = ((rel >= 0) & (rel < s))[:, None]
+    return (rel < 0)[:, None] | (in_scratch & picked)
+
+
+@dataclass
+class _Level:
+    """One depth d >= 1 of an EAGLE-1 layout (L nodes, R of them with children), as index tensors."""
+
+    src: torch.Tensor  # [L] each node's token: index into the parent level's top table [R', W'] flattened
+    run: torch.Tensor  # [R] nodes (index within this level) that go through the head: those with children
+    hid: torch.Tensor  # [R] their parents' index within the previous run list (the root's list is [root])
+    anc: torch.Tensor  # [R, S] bool: scratch slots of their drafted ancestors and their own
+    first: int  # their scratch slots are first + 0..R-1
+    width: int  # top-k width their children need (highest child rank + 1)
+
+
+class Proposer:
+    """Grows BatchTrees for B rows with a DraftHead, borrowing the target's embedding and LM head.
+
+    Build it after the models are on their final device and dtype: the LM-head rows of a reduced
+    draft vocabulary and the EAGLE-1 layout's index tensors are prepared once, here.
+    """
+
+    def __init__(self, head: DraftHead, target: Transformer, tree_cfg: TreeConfig) -> None:
+        self.head, self.target, self.method = head, target, tree_cfg.method
+        self._lm = head.lm_weight(target.lm_head.weight).contiguous()  # [Vd, H]
+        vocab = self._lm.shape[0]
+        dev = head.fc.weight.device
+        if self.method == "eagle2":
+            self.k = min(tree_cfg.top_k, vocab)
+            pool = self.k + (tree_cfg.depth - 1) * self.k * self.k  # candidates a full expansion makes
+            self.budget = min(tree_cfg.total_tokens, 1 + pool)
+            # The rerank keeps a set closed under parents: no kept node is deeper than budget - 1.
+            self.max_depth = min(tree_cfg.depth, self.budget - 1)
+            self.scratch = max(self.max_depth - 1, 0) * self.k
+            self.max_children = self.k  # bounds sampling verification's sibling loop
+            return
+        # EAGLE-1: a reduced vocabulary may hold fewer tokens than a node's rank asks for: drop such paths.
+        layout = static_layout([c for c in tree_cfg.choices if max(c) < vocab])
+        par, n = layout.parents, len(layout.parents)
+        self.budget, self.max_depth = n, layout.max_depth
+        self.max_children = max(sum(1 for p in par if p == i) for i in range(n))
+        need = [0] * n  # top candidates each node must supply = highest child rank + 1
+        for i in range(1, n):
+            need[par[i]] = max(need[par[i]], layout.ranks[i] + 1)
+        runs = [[0]]  # node ids through the head, per depth (depth 0: the root, run by the caller)
+        slot: dict[int, int] = {}
+        levels: list[list[int]] = []
+        for d in range(1, self.max_depth + 1):
+            nodes = [i for i in range(n) if layout.depth[i] == d]
+            assert nodes == list(range(nodes[0], nodes[0] + len(nodes))), "static_layout orders nodes by depth"
+            levels.append(nodes)
+            runs.append([i for i in nodes if need[i]])
+            for i in runs[-1]:
+                slot[i] = len(slot)
+        self.scratch = len(slot)
+        self._root_width = need[0]
+        self._levels: list[_Level] = []
+        for d, nodes in enumerate(levels, 1):
+            prev, run = runs[d - 1], runs[d]
+            w_prev = max(need[i] for i in prev)
+            anc = torch.zeros(len(run), self.scratch, dtype=torch.bool)
+            for r, i in enumerate(run):
+                while i != 0:
+                    anc[r, slot[i]] = True
+                    i = par[i]
+            self._levels.append(_Level(
+                src=torch.tensor([prev.index(par[i]) * w_prev + layout.ranks[i] for i in nodes], device=dev),
+                run=torch.tensor([nodes.index(i) for i in run], dtype=torch.long, device=dev),
+                hid=torch.tensor([prev.index(par[i]) for i in run], dtype=torch.long, device=dev),
+                anc=anc.to(dev), first=slot[run[0]] if run else 0, width=max((need[i] for i in run), default=0)))
+        parents = torch.tensor(par, device=dev)[None]  # [1, N]
+        depth, ancestors = ancestors_from_parents(parents, self.max_depth)
+        self._tree = (parents, depth, ancestors)
+
+    # --- committing real pairs ---------------------------------------------------------------
+    def commit(self, cache: RowKVCache, committed: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
+               count: torch.Tensor, view_len: int) -> torch.Tensor:
+        """Append pairs (tokens[b, j], features[b, j]), j < count[b], at slots committed[b] + j.
+
+        tokens [B, T], features [B, T, H], committed and count [B]; entries j >= count[b] are
+        padding (written, not committed). view_len >= max(committed) + T. Sets cache.lengths to
+        committed + count and returns root_hidden [B, H], the head's output at j = count - 1.
+        """
+        b, t = tokens.shape
+        steps = torch.arange(t, device=tokens.device)
+        slots = committed[:, None] + steps  # [B, T] slot = position
+        causal = (steps[:, None] >= steps[None, :]).expand(b, t, t)
+        mask = row_attention_mask(committed, committed, causal, view_len)  # [B, T, V]
+        cache.prepare(slots, view_len)
+        out = self.head(self.target.embed(tokens), features, slots, cache, mask)  # [B, T, H]
+        cache.lengths.copy_(committed + count)
+        last = (count - 1).clamp(min=0)[:, None, None].expand(b, 1, out.shape[-1])
+        return out.gather(1, last)[:, 0]
+
+    # --- drafting ----------------------------------------------------------------------------
+    def propose(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor, room: torch.Tensor,
+                view_len: int) -> BatchTree:
+        """A tree of `budget` nodes per row below root_token [B] (root_hidden [B, H]).
+
+        room [B]: most nodes the row may hold (root included); nodes past it are marked invalid.
+        view_len >= max(cache.lengths) + scratch. cache.lengths is left unchanged.
+        """
+        b, n = root_token.shape[0], self.budget
+        if n == 1:
+            parents = torch.full((b, 1), -1, dtype=torch.long, device=root_token.device)
+            tokens, (depth, ancestors) = root_token[:, None], ancestors_from_parents(parents, 0)
+        elif self.method == "eagle2":
+            tokens, parents = self._dynamic(cache, root_token, root_hidden, view_len)
+            depth, ancestors = ancestors_from_parents(parents, self.max_depth)
+        else:
+            tokens = self._static(cache, root_token, root_hidden, view_len)
+            parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in self._tree)
+        valid = torch.arange(n, device=tokens.device)[None] < room[:, None]
+        return BatchTree(tokens, parents, depth, ancestors, valid, self.max_depth)
+
+    def _top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T, H] -> the k best draft tokens per node: (log-probabilities [B, T, k] fp32, target ids).
+
+        Log-softmax in fp32 (Drafter._top's): ranking by summed log-probabilities needs the precision."""
+        lp = F.log_softmax(F.linear(hidden, self._lm).float(), dim=-1)
+        v, i = lp.topk(k, dim=-1)
+        return v, self.head.to_target_ids(i)
+
+    def _run(self, cache: RowKVCache, tokens: torch.Tensor, parent_hidden: torch.Tensor, anc: torch.Tensor,
+             first: int, depth: int, view_len: int) -> torch.Tensor:
+        """One head forward over T nodes of one depth per row, written at scratch slots first + 0..T-1.
+
+        tokens [B, T]; parent_hidden [B, T, H]; anc [B, T, S] their ancestor-or-self scratch slots."""
+        b, t = tokens.shape
+        committed = cache.lengths
+        slots = committed[:, None] + first + torch.arange(t, device=tokens.device)  # [B, T]
+        pos = (committed + depth - 1)[:, None].expand(b, t)
+        cache.prepare(slots, view_len)
+        return self.head(self.target.embed(tokens), parent_hidden, pos, cache,
+                         scratch_mask(committed, anc, view_len))  # [B, T, H]
+
+    def _static(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor,
+                view_len: int) -> torch.Tensor:
+        """EAGLE-1 (Drafter._draft_static): node i's token is child rank[i] of its parent's top list."""
+        b = root_token.shape[0]
+        top = self._top(root_hidden[:, None], self._root_width)[1]  # [B, 1, W0] the root's top list
+        hidden = root_hidden[:, None]  # [B, R, H] outputs of the previous depth's run nodes
+        tokens = [root_token[:, None]]
+        for d, lv in enumerate(self._levels, 1):
+            level = top.flatten(1).index_select(1, lv.src)  # [B, L]
+            tokens.append(level)
+            if lv.run.numel() == 0:  # the deepest level: leaves only
+                break
+            hidden = self._run(cache, level.index_select(1, lv.run), hidden.index_select(1, lv.hid),
+                               lv.anc.expand(b, -1, -1), lv.first, d, view_len)  # [B, R, H]
+            top = self._top(hidden, lv.width)[1]  # [B, R, W]
+        return torch.cat(tokens, dim=1)  # [B, N]
+
+    def _dynamic(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor,
+                 view_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE-2 (Drafter._draft_dynamic): expand the K best nodes per depth, then rerank the pool.
+
+        Pool ids: 0 = root, candidate c (in creation order) = c + 1. Returns tokens, parents [B, N]."""
+        b, k, n, s = root_token.shape[0], self.k, self.budget, self.scratch
+        dev = root_token.device
+        val, tok = self._top(root_hidden[:, None], k)  # [B, 1, K]
+        vals, toks = [val[:, 0]], [tok[:, 0]]  # the candidate pool, one [B, *] block per depth
+        pars = [torch.zeros(b, k, dtype=torch.long, device=dev)]  # pool id of each candidate's parent
+        f_id = torch.arange(1, k + 1, device=dev).expand(b, k)  # [B, K] the frontier: pool ids,
+        f_val, f_tok = val[:, 0], tok[:, 0]  # [B, K] cumulative log-probabilities, tokens,
+        f_hid = root_hidden[:, None].expand(b, k, -1)  # [B, K, H] their parents' outputs,
+        f_anc = torch.zeros(b, k, s, dtype=torch.bool, device=dev)  # [B, K, S] their ancestors' slots
+        ks = torch.arange(k, device=dev)
+        for d in range(1, self.max_depth):
+            first = (d - 1) * k
+            f_anc = f_anc | (torch.arange(s, device=dev) == first + ks[:, None])  # | own slot
+            out = self._run(cache, f_tok, f_hid, f_anc, first, d, view_len)  # [B, K, H]
+            c_val, c_tok = self._top(out, k)  # [B, K, K] children of each frontier node
+            total = (f_val[:, :, None] + c_val).flatten(1)  # [B, K*K]
+            base = 1 + k + (d - 1) * k * k  # pool id of this depth's first child
+            vals.append(total)
+            toks.append(c_tok.flatten(1))
+            pars.append(f_id[:, :, None].expand(b, k, k).flatten(1))
+            f_val, best = total.topk(k, dim=1)  # [B, K] next frontier, as indices into the K*K children
+            src = best // k  # [B, K] their parents' frontier index
+            f_id, f_tok = base + best, toks[-1].gather(1, best)
+            f_hid = out.gather(1, src[:, :, None].expand(b, k, out.shape[-1]))
+            f_anc = f_anc.gather(1, src[:, :, None].expand(b, k, s))
+        # Rerank (tree.rerank): value desc, ties to the shallower then earlier candidate. Creation
+        # order already has non-decreasing depth, so a stable descending sort gives that order, and
+        # sorting the kept ids puts parents before children.
+        vals_t = torch.cat(vals, dim=1)  # [B, M]
+        keep = vals_t.argsort(dim=1, descending=True, stable=True)[:, : n - 1].sort(dim=1).values  # [B, N-1]
+        node = torch.arange(1, n, device=dev).expand(b, n - 1)
+        new_id = torch.zeros(b, 1 + vals_t.shape[1], dtype=torch.long, device=dev).scatter_(1, keep + 1, node)
+        parents = new_id.gather(1, torch.cat(pars, dim=1).gather(1, keep))  # [B, N-1]; kept sets are parent-closed
+        tokens = torch.cat((root_token[:, None], torch.cat(toks, dim=1).gather(1, keep)), dim=1)
+        parents = torch.cat((torch.full((b, 1), -1, dtype=torch.long, device=dev), parents), dim=1)
+        return tokens, parents

@@ -1,0 +1,205 @@
+"""The engine: batched steps give each request exactly what it gets alone, from any thread.
+
+Reference: the single-request decode loop (generate.py) and vanilla decoding. fp32 tiny models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from eaglespec.config import SamplingConfig, TreeConfig
+from eaglespec.draft import init_random_head
+from eaglespec.runtime.engine import Engine, Request
+from eaglespec.runtime.request import GenerationError
+from eaglespec.spec.sampling import RowSampling
+from eaglespec.spec.step import SpecStep
+from spec_helpers import run_generate, sharp_random_head, single_thread
+from tiny import tiny_config, tiny_model
+
+PROMPTS = [[3], [10, 20, 30, 40, 50, 60, 70], [5, 6, 7], list(range(1, 40)), [90, 1, 90, 1]]
+TREES = {"vanilla": None, "eagle": TreeConfig("eagle"), "eagle2": TreeConfig("eagle2", total_tokens=12, depth=4, top_k=3)}
+
+
+@pytest.fixture(scope="module")
+def models():
+    cfg = tiny_config(vocab=96, eos=7)
+    target = tiny_model(cfg, seed=5)
+    return target, sharp_random_head(cfg, seed=9)
+
+
+def alone(target, head, prompt, method, **kw) -> list[int]:
+    engine = Engine(target, head, eos_ids=target.config.eos_token_ids)
+    (req,) = engine.run([Request(prompt, method, TREES[method], **kw)])
+    return [t for chunk in req.pending for t in chunk]
+
+
+def tokens_of(req: Request) -> list[int]:
+    return [t for chunk in req.pending for t in chunk]
+
+
+@pytest.mark.parametrize("method", ["vanilla", "eagle", "eagle2"])
+def test_engine_equals_reference_loop(models, method):
+    """Greedy: the engine's tokens equal the reference loop's vanilla tokens, stop reason too."""
+    target, head = models
+    with single_thread():
+        for prompt in PROMPTS[:3]:
+            ref = run_generate(target, prompt, max_new_tokens=30, eos_ids=[7])
+            got = alone(target, head, prompt, method, max_new_tokens=30)
+            assert got == ref.tokens, (prompt, method)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "eagle2"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batch_invariance(models, method, temperature):
+    """A request gives the same tokens alone and in a batch of 4 with others of different lengths
+    that join and finish at different times (greedy, and sampling with a seed)."""
+    target, head = models
+    sampling = [SamplingConfig(temperature, seed=11 + i, top_k=20 if i == 2 else 0) for i in range(5)]
+    budgets = [25, 9, 40, 17, 30]
+    with single_thread():
+        solo = [alone(target, head, p, method, sampling=s, max_new_tokens=m)
+                for p, s, m in zip(PROMPTS, sampling, budgets)]
+        engine = Engine(target, head, eos_ids=[7], max_batch=4)
+        reqs = [Request(p, method, TREES[method], s, m) for p, s, m in zip(PROMPTS, sampling, budgets)]
+        for r in reqs[:2]:
+            engine.submit(r)
+        for _ in range(3):  # the first two run alone for a while
+            engine.step()
+        for r in reqs[2:]:
+            engine.submit(r)  # the fifth waits for a free row
+        engine.run([])
+        while not all(r.done for r in reqs):
+            engine.step()
+    assert [tokens_of(r) for r in reqs] == solo
+
+
+def test_mixed_lanes_and_sampling_rows(models):
+    """vanilla and eagle2 requests, greedy and sampled, all in flight together."""
+    target, head = models
+    specs = [("vanilla", 0.0), ("eagle2", 0.0), ("eagle2", 1.0), ("eagle", 0.7), ("vanilla", 1.0)]
+    with single_thread():
+        solo = [alone(target, head, PROMPTS[i], m, sampling=SamplingConfig(t, seed=i), max_new_tokens=20)
+                for i, (m, t) in enumerate(specs)]
+        engine = Engine(target, head, eos_ids=[7])
+        reqs = engine.run([Request(PROMPTS[i], m, TREES[m], SamplingConfig(t, seed=i), 20)
+                           for i, (m, t) in enumerate(specs)])
+    assert [tokens_of(r) for r in reqs] == solo
+
+
+@pytest.mark.parametrize("n_streams", [2, 8])
+def test_interleaved_streams_from_threads(models, n_streams):
+    target, head = models
+    methods = ["eagle2", "vanilla", "eagle"]
+    jobs = [(PROMPTS[i % len(PROMPTS)], methods[i % 3], SamplingConfig(0.8 * (i % 2), seed=i), 12 + i)
+            for i in range(n_streams)]
+    with single_thread():
+        solo = [alone(target, head, p, m, sampling=s, max_new_tokens=n) for p, m, s, n in jobs]
+        engine = Engine(target, head, eos_ids=[7], max_batch=3)
+        results: dict[int, list[int]] = {}
+
+        def consume(i):
+            p, m, s, n = jobs[i]
+            req = engine.submit(Request(p, m, TREES[m], s, n))
+            results[i] = [t for chunk in engine.chunks(req) for t in chunk]
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(n_streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert [results.get(i) for i in range(n_streams)] == solo
+
+
+def test_interleaved_streams_one_thread(models):
+    """Two generators advanced alternately in one thread (crashed before the engine)."""
+    target, head = models
+    with single_thread():
+        solo = [alone(target, head, p, "eagle2", max_new_tokens=20) for p in PROMPTS[:2]]
+        engine = Engine(target, head, eos_ids=[7])
+        its = [engine.chunks(engine.submit(Request(p, "eagle2", TREES["eagle2"], max_new_tokens=20)))
+               for p in PROMPTS[:2]]
+        out = [[], []]
+        live = [True, True]
+        while any(live):
+            for i, it in enumerate(its):
+                if live[i]:
+                    try:
+                        out[i].extend(next(it))
+                    except StopIteration:
+                        live[i] = False
+    assert out == solo
+
+
+def test_closing_a_stream_frees_its_row(models):
+    target, head = models
+    engine = Engine(target, head, eos_ids=[7], max_batch=1)
+    it = engine.chunks(engine.submit(Request(PROMPTS[1], "eagle2", TREES["eagle2"], max_new_tokens=50)))
+    next(it)
+    it.close()
+    lane = next(iter(engine.lanes.values()))
+    assert lane.active == []
+    # The row is reusable and the next request is unaffected.
+    (req,) = engine.run([Request(PROMPTS[0], "eagle2", TREES["eagle2"], max_new_tokens=10)])
+    assert tokens_of(req) == alone(target, head, PROMPTS[0], "eagle2", max_new_tokens=10)
+
+
+def test_bad_requests_fail_in_the_caller(models):
+    target, head = models
+    engine = Engine(target, None)
+    with pytest.raises(GenerationError, match="empty prompt"):
+        engine.submit(Request([], "vanilla"))
+    with pytest.raises(GenerationError, match="context window"):
+        engine.submit(Request(list(range(300)), "vanilla"))
+    with pytest.raises(GenerationError, match="draft head"):
+        engine.submit(Request([1, 2], "eagle2", max_new_tokens=10))
+
+
+def test_until_the_window_is_full(models):
+    target, head = models
+    with single_thread():
+        ref = run_generate(target, [1, 2, 3], max_new_tokens=None)
+        engine = Engine(target, head)
+        (req,) = engine.run([Request([1, 2, 3], "eagle2", TREES["eagle2"], max_new_tokens=None)])
+    assert tokens_of(req) == ref.tokens
+    assert req.stats.stop_reason == "context_full" == ref.stats.stop_reason
+    assert len(tokens_of(req)) == target.config.max_position_embeddings - 3
+
+
+class SyncCounter:
+    """Counts host round trips: patched Tensor methods that read device data back."""
+
+    NAMES = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__", "numpy")
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+
+            def spy(t, *a, _real=real, _name=name, **kw):
+                self.calls.append(_name)
+                return _real(t, *a, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, spy)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "eagle", "eagle2"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_step_makes_no_host_sync(models, monkeypatch, method, temperature):
+    """The step itself never reads a tensor back (no per-node .item() / .tolist())."""
+    target, head = models
+    engine = Engine(target, head, max_batch=3)
+    reqs = [engine.submit(Request(p, method, TREES[method], SamplingConfig(temperature, seed=1), 50))
+            for p in PROMPTS[:3]]
+    engine.step()  # admit and prefill (host work) outside the count
+    lane = next(iter(engine.lanes.values()))
+    state = lane.state.rows(3)
+    sampling = RowSampling.from_configs([r.sampling for r in reqs])
+    counter = SyncCounter(monkeypatch)
+    with torch.inference_mode():
+        for _ in range(3):
+            lane.step_fn(state, sampling, max(lane.lengths) + 20)
+    assert counter.calls == []
