@@ -97,13 +97,14 @@ class RowKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self._slots: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None  # [B, T] where the next forward writes
+        self._rows: torch.Tensor | None = None  # [B, T] their row ids (for advanced indexing)
         self._view = 0
 
     @classmethod
     def _wrap(cls, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> "RowKVCache":
         c = cls.__new__(cls)
-        c.k, c.v, c.lengths, c._slots, c._view = k, v, lengths, None, 0
+        c.k, c.v, c.lengths, c._slots, c._rows, c._view = k, v, lengths, None, None, 0
         return c
 
     @property
@@ -125,13 +126,15 @@ class RowKVCache:
             raise ValueError(f"KV cache overflow: {view_len} slots asked of a cache of {self.capacity}; "
                              "allocate a larger cache (max_new_tokens / context)")
         self._slots, self._view = slots, view_len
+        self._rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter k, v ([B, n_kv, T, hd]) into the prepared slots; return [B, n_kv, view_len, hd] views."""
         assert self._slots is not None, "call prepare() before a forward"
-        idx = self._slots[:, None, :, None].expand_as(k)
-        self.k[layer].scatter_(2, idx, k)
-        self.v[layer].scatter_(2, idx, v)
+        # Advanced indexing (index_put) rather than scatter_: several times faster on CPU.
+        rows, slots = self._rows, self._slots  # [B, T] each
+        self.k[layer][rows, :, slots] = k.transpose(1, 2)  # [B, T, n_kv, hd]
+        self.v[layer][rows, :, slots] = v.transpose(1, 2)
         return self.k[layer, :, :, : self._view], self.v[layer, :, :, : self._view]
 
     def advance(self, t: int) -> None:
@@ -145,12 +148,11 @@ class RowKVCache:
         are copied too (harmless: they land past the new committed length).
         """
         b, d = src.shape
-        frm = (start[:, None] + src)[None, :, None, :, None]
-        to = (start[:, None] + torch.arange(d, device=src.device))[None, :, None, :, None]
-        shape = (self.k.shape[0], b, self.k.shape[2], d, self.k.shape[4])
+        rows = torch.arange(b, device=src.device)[:, None].expand(b, d)
+        frm = start[:, None] + src  # [B, D]
+        to = start[:, None] + torch.arange(d, device=src.device)
         for t in (self.k, self.v):
-            moved = torch.gather(t, 3, frm.expand(shape))
-            t.scatter_(3, to.expand(shape), moved)
+            t[:, rows, :, to] = t[:, rows, :, frm]  # the read is a copy, so overlaps are safe
         self.lengths.copy_(start + count)
 
     def grow(self, capacity: int) -> None:

@@ -46,6 +46,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=d.top_k, help="eagle2 children per expanded node")
     p.add_argument("--tree-choices", default=None, help="eagle static tree: JSON list of paths")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="throughput mode: first turns of all prompts queued at once, B requests in flight per "
+                        "engine method, against batch size 1 (writes throughput.json and throughput.md)")
 
 
 def cmd_bench(args) -> int:
@@ -68,6 +71,8 @@ def cmd_bench(args) -> int:
     engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device)
     if any(m in ("eagle", "eagle2") for m in args.methods) or args.alpha:
         engine.set_draft(args.draft)
+    if args.batch_size is not None:
+        return _cmd_throughput(args, engine, items, tree)
     methods, notes = build_methods(args.methods, engine, tree, alpha=args.alpha)
     for n in notes:
         print(f"# note: {n}", file=sys.stderr)
@@ -87,6 +92,30 @@ def cmd_bench(args) -> int:
         print(f"eaglespec bench: {len(result.mismatches)} LOSSLESS MISMATCHES (bugs); see {files.report}",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def _cmd_throughput(args, engine, items, tree) -> int:
+    import json
+
+    from .throughput import run_throughput, throughput_table
+
+    if args.batch_size < 1:
+        print("eaglespec bench: --batch-size must be >= 1", file=sys.stderr)
+        return 2
+    engine_methods = [m for m in args.methods if m in ("vanilla", "eagle", "eagle2")]
+    skipped = [m for m in args.methods if m not in engine_methods]
+    if skipped:
+        print(f"# note: --batch-size measures eaglespec's engine methods only; skipped {', '.join(skipped)}",
+              file=sys.stderr)
+    result = run_throughput(engine, items, engine_methods, tree, args.batch_size, args.max_new_tokens,
+                            args.temperature, args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.json").write_text(json.dumps(result.to_dict(), indent=2))
+    table = throughput_table(result)
+    (out / "throughput.md").write_text(f"# Throughput ({result.setup})\n\n{table}")
+    print(table)
     return 0
 
 

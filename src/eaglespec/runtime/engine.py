@@ -28,6 +28,7 @@ from ..kv_cache import RowKVCache
 from ..model import Transformer
 from ..spec.propose import Proposer
 from ..spec.sampling import RowSampling
+from ..spec.graphs import GraphedSteps
 from ..spec.step import RowState, SpecStep, StepTimes, prefill_row
 from .request import GenerationError, GenerationStats, StopChecker, check_request
 
@@ -75,6 +76,7 @@ class Lane:
         self.lengths: list[int] = [0] * max_batch  # host mirror of committed target lengths
         self.state: RowState | None = None
         self._sampling: tuple[tuple, RowSampling] | None = None  # cached per set of rows
+        self.graphs = GraphedSteps(self.step_fn) if engine.cuda_graphs else None
 
     @property
     def active(self) -> list[int]:
@@ -108,6 +110,8 @@ class Lane:
             self.state.target_cache.grow(cap)
             if self.state.draft_cache is not None:
                 self.state.draft_cache.grow(cap + draft_extra)
+            if self.graphs is not None:
+                self.graphs.reset()  # captured against the old buffers
 
     def admit(self, req: Request) -> None:
         """Prefill `req` into a free row; its first token is pending when this returns."""
@@ -160,22 +164,42 @@ class Lane:
             s.draft_cache.lengths[row] = 0
 
     def _row_sampling(self, span: int) -> RowSampling:
-        key = tuple(id(q) for q in self.requests[:span])
+        """Sampling parameters of rows 0..span-1 (idle rows greedy), rebuilt when the rows change.
+
+        With CUDA graphs the tensors must stay the same objects: they are updated in place."""
+        key = (span, tuple(id(q) for q in self.requests[:span]))
         if self._sampling is None or self._sampling[0] != key:
             greedy = SamplingConfig()
             cfgs = [q.sampling if q is not None else greedy for q in self.requests[:span]]
-            self._sampling = (key, RowSampling.from_configs(cfgs, self.engine.device))
+            fresh = RowSampling.from_configs(cfgs, self.engine.device)
+            if self.graphs is not None:
+                fresh = self.graphs.sampling(fresh)
+            self._sampling = (key, fresh)
         return self._sampling[1]
+
+    def _span(self, active: list[int]) -> int:
+        """Rows stepped: up to the last active one, or a bucket of them (fixed shapes)."""
+        span = active[-1] + 1
+        if self.engine.fixed_shapes:
+            span = min(self.max_batch, 1 << (span - 1).bit_length())
+        return span
 
     def step(self) -> None:
         active = self.active
         if not active:
             return
         e = self.engine
-        span = active[-1] + 1
+        span = self._span(active)
         times = StepTimes()
-        acc = self.step_fn(self.state.rows(span), self._row_sampling(span), max(self.lengths[:span]), times,
-                           e.sync if e.device.type == "cuda" else None)
+        sampling = self._row_sampling(span)
+        if self.graphs is not None:
+            acc = self.graphs.step(self.state, span, sampling, times)
+        elif e.fixed_shapes:  # capacity-wide views: the same shapes every step
+            longest = self.state.target_cache.capacity - self.step_fn.budget
+            acc = self.step_fn(self.state.rows(span), sampling, longest, times, exact=False)
+        else:
+            acc = self.step_fn(self.state.rows(span), sampling, max(self.lengths[:span]), times,
+                               e.sync if e.device.type == "cuda" else None)
         t_done = time.perf_counter()
         # The one device-to-host copy of the step: emitted tokens and their counts.
         host = torch.cat((acc.emitted, acc.count[:, None]), dim=1).tolist()
@@ -204,7 +228,15 @@ class Engine:
     """Runs requests through the batched speculative step. Thread-safe."""
 
     def __init__(self, target: Transformer, head: DraftHead | None = None, *, eos_ids: list[int] = (),
-                 decode=None, max_batch: int = 8, prefill_chunk: int = 512) -> None:
+                 decode=None, max_batch: int = 8, prefill_chunk: int = 512, fixed_shapes: bool = False,
+                 cuda_graphs: bool = False) -> None:
+        """fixed_shapes: step every lane with capacity-wide attention views and a power-of-two
+        number of rows, so the step's shapes repeat (what CUDA graphs need; on a CPU it only costs).
+        cuda_graphs: capture each lane's step per row bucket and replay it (CUDA only)."""
+        if cuda_graphs and target.device.type != "cuda":
+            raise ValueError("cuda_graphs needs the model on a CUDA device")
+        self.fixed_shapes = fixed_shapes or cuda_graphs
+        self.cuda_graphs = cuda_graphs
         self.target, self.head = target, head
         self.eos_ids, self.decode = list(eos_ids), decode
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk

@@ -83,10 +83,11 @@ class SpecStep:
         return longest + self.budget, longest + scratch, longest + self.path_width
 
     def __call__(self, s: RowState, sampling: RowSampling, longest: int, times: StepTimes | None = None,
-                 sync=None) -> BatchAcceptance:
+                 sync=None, exact: bool = True) -> BatchAcceptance:
         """One cycle over the rows of `s`; `longest` bounds every row's committed target length.
 
-        sync: called between phases when timing (torch.cuda.synchronize on CUDA)."""
+        exact: `longest` is exactly the longest row's length (False when views are held at a fixed
+        width for CUDA graphs). sync: called between phases when timing (torch.cuda.synchronize)."""
         view_t, view_p, view_c = self.views(longest)
         t0 = time.perf_counter()
         t_len = s.target_cache.lengths.clone()  # [B] context before the tree
@@ -101,8 +102,8 @@ class SpecStep:
         b, n = tree.tokens.shape
         slots = t_len[:, None] + torch.arange(n, device=t_len.device)
         s.target_cache.prepare(slots, view_t)
-        if n == 1 and b == 1:
-            mask = None  # one token that sees the whole view: SDPA's fastest path
+        if n == 1 and b == 1 and exact:
+            mask = None  # one token that sees exactly the whole view: SDPA's fastest path
         else:
             mask = row_attention_mask(t_len, t_len, tree.ancestors, view_t)
         out = self.target(tree.tokens, tree.positions(t_len), s.target_cache, mask)
