@@ -149,8 +149,9 @@ def main() -> None:
                                          args.noise_questions))]
     if args.fp32_logits:
         engine.target.lm_head = Fp32Head(engine.target.lm_head.weight)
-        # The drafter caches its (gathered) head weight by dtype; keep the draft in bf16.
-        engine.drafter._lm_weight = engine.head.lm_weight(ref.target.lm_head.weight.to(torch.bfloat16)).contiguous()
+        # Lanes hold proposers that gathered the old LM-head rows: start new ones (drafting stays
+        # in the head's bf16).
+        engine.engine.lanes.clear()
         results.append(summarise("bf16 + fp32 LM head", measure(engine, ref, questions, args.method,
                                                                 args.max_new_tokens, args.noise_questions)))
     print(f"total {time.perf_counter() - t0:.0f} s")

@@ -1,5 +1,7 @@
-"""Shared helpers for the speculative-decoding tests: an oracle drafter that is often right,
-a recorder of verification results, exact reference distributions and a chi-square test.
+"""Shared helpers for the speculative-decoding tests: an oracle drafter that is often right (for
+the reference loop, and OracleProposer for the engine, with a RecordingEngine that injects it and
+logs every row's steps), a recorder of verification results, exact reference distributions and a
+chi-square test.
 
 Not a conftest: import it as `from spec_helpers import ...` (tests/ is on sys.path under pytest's
 default rootdir-relative import mode, like tests/tiny.py).
@@ -8,6 +10,7 @@ default rootdir-relative import mode, like tests/tiny.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -20,7 +23,11 @@ from eaglespec.config import SamplingConfig, TreeConfig
 from eaglespec.draft import Drafter, init_random_head
 from eaglespec.generate import GenerationStats, generate_tokens
 from eaglespec.model import Transformer
+from eaglespec.runtime.engine import Engine, Lane, Request
 from eaglespec.sampling import probabilities
+from eaglespec.spec.propose import Proposer
+from eaglespec.spec.step import SpecStep
+from eaglespec.spec.tree import BatchTree, ancestors_from_parents
 from eaglespec.tree import Tree
 
 
@@ -235,3 +242,234 @@ def chi_square_pvalue(observed: Counter, expected_probs: dict, min_expected: flo
     stat = sum((o - e) ** 2 / e for o, e in cells)
     df = len(cells) - 1
     return chi2_sf(stat, df), stat, df
+
+
+# --- the engine with a test proposer ---------------------------------------------------------------
+def oracle_tree_tokens(target: Transformer, context: list[int], tokens: list[int], parents: list[int],
+                       rng: random.Random, noise: float) -> list[int]:
+    """OracleDrafter.oracle_tokens for a tree given as (tokens, parents): child number r of a node
+    gets the target's r-th most likely next token at that node, each node left as it is with
+    probability `noise`. context: the tokens before the root (what the target cache holds)."""
+    shape = Tree.from_parents(tokens, parents)
+    ctx, n = len(context), shape.size
+    depth = shape.depth.tolist()
+    cache = target.new_cache(ctx + n)
+    with torch.inference_mode():
+        target(torch.tensor(context)[None], torch.arange(ctx)[None], cache, logits_for="none")
+    mask = torch.ones(n, ctx + n, dtype=torch.bool)
+    mask[:, ctx:] = shape.mask
+    tokens = list(tokens)
+    for d in range(1, max(depth) + 1):
+        level = [i for i in range(n) if depth[i] == d and rng.random() >= noise]
+        if not level:
+            continue
+        cache.truncate(ctx)
+        with torch.inference_mode():
+            logits = target(torch.tensor(tokens)[None], shape.positions(ctx)[None], cache, mask).logits[0]
+        for i in level:
+            order = torch.argsort(logits[parents[i]], descending=True, stable=True).tolist()
+            tokens[i] = order[shape.children[parents[i]].index(i) % len(order)]
+    return tokens
+
+
+class TrackingProposer(Proposer):
+    """The real batched Proposer, plus a host-side record of every row (tests only: it reads
+    tensors back every call).
+
+    contexts[row]: the tokens in the row's target cache, then its root (the newest token). Kept by
+    wrapping `commit`: the pairs (x[t+1], f[t]) it commits are the tokens after x[0], which the
+    lane supplies when it admits a request (`start_row`). Rows holding no request have none.
+    Every propose checks the engine's own state against it (root token, committed length) and
+    records each row's number of valid nodes and the tokens drafted at valid nodes.
+    on_propose(row, context, tree, b), if set, sees each live row's real proposal (row b of tree)."""
+
+    def __init__(self, head, target: Transformer, tree_cfg: TreeConfig) -> None:
+        super().__init__(head, target, tree_cfg)
+        self.contexts: dict[int, list[int]] = {}
+        self.valid: dict[int, int] = {}  # live row -> valid nodes of the newest tree
+        self.drafted: set[int] = set()  # tokens at valid non-root nodes of every tree of a live row
+        self.proposals = 0
+        self.on_propose = None
+
+    def start_row(self, row: int, first_token: int) -> None:
+        self.contexts[row] = [first_token]
+
+    def end_row(self, row: int) -> None:
+        self.contexts.pop(row, None)
+
+    @staticmethod
+    def _first_row(cache) -> int:
+        # The engine hands over views of rows start.. of its one RowKVCache (RowKVCache.rows):
+        # `lengths` is a slice of a 1-D tensor, so its storage offset is the first row's index.
+        return cache.lengths.storage_offset()
+
+    def commit(self, cache, committed, tokens, features, count, view_len):
+        hidden = super().commit(cache, committed, tokens, features, count, view_len)
+        row0 = self._first_row(cache)
+        toks, cnt, com = tokens.tolist(), count.tolist(), committed.tolist()
+        for b in range(len(toks)):
+            ctx = self.contexts.get(row0 + b)
+            if ctx is None:
+                continue
+            assert com[b] == len(ctx) - 1, ("draft cache out of step with the row's tokens", row0 + b)
+            ctx.extend(toks[b][: cnt[b]])
+        return hidden
+
+    def propose(self, cache, root_token, root_hidden, room, view_len):
+        tree = super().propose(cache, root_token, root_hidden, room, view_len)
+        row0 = self._first_row(cache)
+        roots, lengths = root_token.tolist(), cache.lengths.tolist()
+        valid = tree.valid.sum(1).tolist()
+        live = {}
+        self.valid = {}
+        for b in range(len(roots)):
+            ctx = self.contexts.get(row0 + b)
+            if ctx is None:
+                continue
+            assert ctx[-1] == roots[b] and lengths[b] == len(ctx) - 1, ("row state is off", row0 + b)
+            live[b] = ctx
+            self.valid[row0 + b] = valid[b]
+            if self.on_propose is not None:
+                self.on_propose(row0 + b, ctx, tree, b)
+        self.proposals += 1
+        tree = self.retoken(tree, live, valid)
+        tokens = tree.tokens.tolist()
+        for b in live:
+            self.drafted.update(tokens[b][1: valid[b]])
+        return tree
+
+    def retoken(self, tree: BatchTree, live: dict[int, list[int]], valid: list[int]) -> BatchTree:
+        """Hook: replace the drafted tokens of live rows (b -> context). The real ones here."""
+        return tree
+
+
+class OracleProposer(TrackingProposer):
+    """OracleDrafter for the engine: trees of the real proposer's shape, tokens from the target.
+
+    Per live row and step: with probability p_oracle child number r of a node gets the target's
+    r-th most likely next token there (a separate target forward over the row's context and the
+    tree, on the host), each node left random with probability `noise`; otherwise all drafted
+    tokens are random. Nodes cut off by the window get oracle tokens too (they must never be
+    accepted all the same). memo (p_oracle 1, noise 0 only): a row's tree is remembered per (context,
+    valid nodes), shape included, so revisited contexts cost nothing."""
+
+    def __init__(self, head, target: Transformer, tree_cfg: TreeConfig, seed: int = 0, p_oracle: float = 0.5,
+                 noise: float = 0.15, memo: bool = False) -> None:
+        super().__init__(head, target, tree_cfg)
+        assert not memo or (p_oracle == 1.0 and noise == 0.0)
+        self.rng = random.Random(seed)
+        self.p_oracle, self.noise = p_oracle, noise
+        self.memo: dict | None = {} if memo else None
+        self.oracle_steps = 0
+
+    def retoken(self, tree, live, valid):
+        if tree.size == 1 or not live:
+            return tree
+        tokens, parents = tree.tokens.clone(), tree.parents.clone()
+        n, vocab = tree.size, self.target.config.vocab_size
+        for b, ctx in live.items():
+            # Every node, the ones cut off by the window included: those must never be accepted,
+            # even when they are the target's own tokens.
+            key = (tuple(ctx), valid[b])
+            if self.memo is not None and key in self.memo:
+                toks, pars = self.memo[key]
+            else:
+                pars = parents[b].tolist()
+                toks = [ctx[-1]] + [self.rng.randrange(vocab) for _ in range(n - 1)]
+                if self.rng.random() < self.p_oracle:
+                    self.oracle_steps += 1
+                    toks = oracle_tree_tokens(self.target, ctx[:-1], toks, pars, self.rng, self.noise)
+                if self.memo is not None:
+                    self.memo[key] = (toks, pars)
+            tokens[b] = torch.tensor(toks)
+            parents[b] = torch.tensor(pars)
+        if self.memo is None:  # the proposer's own shape
+            return dataclasses.replace(tree, tokens=tokens)
+        depth, ancestors = ancestors_from_parents(parents, tree.max_depth)
+        return BatchTree(tokens, parents, depth, ancestors, tree.valid, tree.max_depth, tree.draft_probs)
+
+
+@dataclass
+class StepRecord:
+    """One live row's outcome in one engine step."""
+
+    req: Request
+    step: int  # the lane's step number
+    t_len: int  # committed target length before the step
+    count: int  # nodes the step kept (accepted drafts + 1), before any stop cut them
+    valid: int  # valid tree nodes (the budget, or fewer near the window)
+    path: list[int]  # accepted node ids, root first
+
+
+class _RecordingStep:
+    """Wraps a SpecStep and keeps its newest BatchAcceptance."""
+
+    def __init__(self, inner: SpecStep) -> None:
+        self.inner, self.last = inner, None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        self.last = self.inner(*args, **kwargs)
+        return self.last
+
+
+class RecordingLane(Lane):
+    """A Lane that tells a TrackingProposer which rows hold which request and logs every live
+    row's step (StepRecord)."""
+
+    def __init__(self, engine: Engine, proposer: Proposer | None, max_batch: int) -> None:
+        super().__init__(engine, proposer, max_batch)
+        self.step_fn = _RecordingStep(self.step_fn)
+        self.log: list[StepRecord] = []
+        self.steps = 0
+
+    def admit(self, req: Request) -> None:
+        if isinstance(self.proposer, TrackingProposer):
+            self.proposer.start_row(self.requests.index(None), req.prompt_ids[0])
+        super().admit(req)
+
+    def retire(self, row: int) -> None:
+        if isinstance(self.proposer, TrackingProposer):
+            self.proposer.end_row(row)
+        super().retire(row)
+
+    def step(self) -> None:
+        live = {r: self.requests[r] for r in self.active}
+        before = list(self.lengths)
+        super().step()
+        if not live:
+            return
+        acc = self.step_fn.last
+        self.steps += 1
+        count, path = acc.count.tolist(), acc.path.tolist()
+        valid = self.proposer.valid if isinstance(self.proposer, TrackingProposer) else {}
+        for r, req in live.items():
+            self.log.append(StepRecord(req, self.steps, before[r], count[r], valid.get(r, self.step_fn.budget),
+                                       path[r][: count[r]]))
+
+
+class RecordingEngine(Engine):
+    """An Engine whose lanes are RecordingLanes and whose speculative lanes use
+    `proposer(head, target, tree_cfg)` (default: TrackingProposer, i.e. the real drafts)."""
+
+    def __init__(self, target: Transformer, head=None, *, proposer=None, **kw) -> None:
+        super().__init__(target, head, **kw)
+        self.make_proposer = proposer or TrackingProposer
+
+    def _lane(self, req: Request) -> Lane:
+        key = req.lane_key
+        if key not in self.lanes:
+            proposer = None if key[0] == "vanilla" else self.make_proposer(self.head, self.target, req.tree)
+            self.lanes[key] = RecordingLane(self, proposer, self.max_batch)
+        return self.lanes[key]
+
+    @property
+    def log(self) -> list[StepRecord]:
+        return [rec for lane in self.lanes.values() for rec in lane.log]
+
+
+def engine_tokens(req: Request) -> list[int]:
+    """A request's output so far (Engine.run leaves every chunk pending)."""
+    return [t for chunk in req.pending for t in chunk]

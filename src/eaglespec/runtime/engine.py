@@ -105,6 +105,7 @@ class Lane:
                 dc = RowKVCache(1, hc.num_kv_heads, hc.head_dim, cap + draft_extra, b, w.dtype, dev)
                 rh = torch.zeros(b, hc.hidden_size, dtype=w.dtype, device=dev)
             zeros = torch.zeros(b, dtype=torch.long, device=dev)
+            self._idle = torch.ones(b, dtype=torch.bool, device=dev)  # [B] rows with no request
             self.state = RowState(zeros.clone(), torch.full_like(zeros, self.engine.window), zeros.clone(), tc, dc, rh)
         elif cap > self.state.target_cache.capacity:
             self.state.target_cache.grow(cap)
@@ -128,6 +129,7 @@ class Lane:
         stop = StopChecker(e.eos_ids, req.stop_strings,
                            req.max_new_tokens if req.max_new_tokens is not None else window - n, e.decode)
         self.requests[row], self.stops[row], self.lengths[row] = req, stop, n
+        self._idle[row] = False
         self._sampling = None
         self._emit(row, [first], t0)
 
@@ -159,6 +161,7 @@ class Lane:
         self._sampling = None
         s = self.state
         # An idle row keeps stepping harmlessly at the start of its own cache until reused.
+        self._idle[row] = True
         s.target_cache.lengths[row] = 0
         if s.draft_cache is not None:
             s.draft_cache.lengths[row] = 0
@@ -200,6 +203,11 @@ class Lane:
         else:
             acc = self.step_fn(self.state.rows(span), sampling, max(self.lengths[:span]), times,
                                e.sync if e.device.type == "cuda" else None)
+        # Idle rows inside the span were stepped too (harmlessly): pin them back at length 0 so
+        # they never outgrow the cache while a higher row keeps running.
+        for cache in (self.state.target_cache, self.state.draft_cache):
+            if cache is not None:
+                cache.lengths.masked_fill_(self._idle, 0)
         t_done = time.perf_counter()
         # The one device-to-host copy of the step: emitted tokens and their counts.
         host = torch.cat((acc.emitted, acc.count[:, None]), dim=1).tolist()
@@ -260,6 +268,8 @@ class Engine:
 
     def submit(self, req: Request) -> Request:
         """Queue a request (checked now, so a bad one fails in the caller's thread)."""
+        if req.id:
+            raise ValueError(f"request {req.id} was already submitted; make a new Request")
         check_request(self.window, len(req.prompt_ids), req.max_new_tokens)
         if req.method != "vanilla" and self.head is None:
             raise GenerationError(f"method {req.method} needs a draft head")

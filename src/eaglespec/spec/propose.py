@@ -63,7 +63,8 @@ class Proposer:
 
     def __init__(self, head: DraftHead, target: Transformer, tree_cfg: TreeConfig) -> None:
         self.head, self.target, self.method = head, target, tree_cfg.method
-        self._lm = head.lm_weight(target.lm_head.weight).contiguous()  # [Vd, H]
+        # [Vd, H], in the head's dtype: drafting runs in the head's precision whatever the target's LM head is.
+        self._lm = head.lm_weight(target.lm_head.weight).to(head.fc.weight.dtype).contiguous()
         vocab = self._lm.shape[0]
         dev = head.fc.weight.device
         if self.method == "eagle2":

@@ -1,0 +1,565 @@
+"""Losslessness of the batched engine (runtime.Engine over spec.step.SpecStep), retargeted from the
+reference-loop tests (test_speculative.py, test_verify.py):
+
+* fp32 greedy output identical to vanilla, fuzzed, several requests of different lengths in one
+  batch, with a draft that is often right (OracleProposer: the real proposer's trees, the
+  target's tokens), so that long accepted runs, EOS and max_new_tokens inside a run, a full
+  context window and trees cut short by the window all occur (counted, and required);
+* random heads, reduced draft vocabularies, small trees with wide expansions;
+* both KV caches after compaction, row by row, against fresh forwards;
+* speculative sampling end to end: chi-square against the exact sequence distribution, with the
+  statistic's power shown on deliberately wrong verification rules.
+
+The engine's fixed-shape mode (capacity-wide views, power-of-two row buckets) is fuzzed and
+sampled too. The last test is a regression test for idle rows.
+
+Reference: the single-request loop (generate.generate_tokens) without a draft, i.e. vanilla.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eaglespec.config import EAGLE1_CHOICES, SamplingConfig, TreeConfig
+from eaglespec.draft import init_random_head
+from eaglespec.kv_cache import RowKVCache
+from eaglespec.runtime.engine import Engine, Request
+from eaglespec.spec import step as step_mod
+from eaglespec.spec import verify as spec_verify
+from eaglespec.spec.propose import Proposer
+from eaglespec.spec.rng import BONUS, draw, uniforms
+from eaglespec.spec.sampling import row_probabilities
+from eaglespec.spec.tree import acceptance_from_path
+
+from spec_helpers import (OracleProposer, RecordingEngine, chi_square_pvalue, engine_tokens,
+                          exact_sequence_probs, run_generate, sharp_random_head, single_thread)
+from tiny import tiny_config, tiny_model
+
+PASS_P = 1e-3  # a correct rule must not be rejected at this level (seeds are fixed)
+FAIL_P = 1e-6  # a wrong rule must be rejected at this level
+
+CHOICE_SETS = {
+    "eagle1": EAGLE1_CHOICES,
+    "chain4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
+    "small": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+    "wide": [[0], [1], [2], [3], [4], [5], [0, 0], [5, 0], [5, 0, 0]],
+}
+
+
+def oracle(seed: int = 0, p_oracle: float = 0.5, noise: float = 0.15, memo: bool = False):
+    """A proposer factory for RecordingEngine: OracleProposer over a sharp random head's trees."""
+    def make(head, target, tree_cfg):
+        return OracleProposer(head, target, tree_cfg, seed, p_oracle, noise, memo)
+    return make
+
+
+def oracle_engine(target, seed: int = 0, p_oracle: float = 0.5, noise: float = 0.15, memo: bool = False,
+                  **kw) -> RecordingEngine:
+    head = sharp_random_head(target.config, seed=seed + 1)
+    return RecordingEngine(target, head, proposer=oracle(seed, p_oracle, noise, memo), **kw)
+
+
+def check_stats(req: Request, tokens: list[int], max_depth: int | None = None) -> None:
+    s = req.stats
+    assert s.new_tokens == len(tokens)
+    assert sum(s.accept_lengths) + 1 == len(tokens)  # the first token comes from the prefill
+    assert s.steps == len(s.accept_lengths) == len(s.tree_sizes)
+    if s.accept_lengths:
+        assert s.tau == pytest.approx(sum(s.accept_lengths) / len(s.accept_lengths))
+    else:
+        assert s.tau == 0.0
+    assert all(a >= 1 for a in s.accept_lengths)
+    if max_depth is not None:
+        assert all(a <= max_depth + 1 for a in s.accept_lengths)
+    apd = s.accepted_per_depth  # [d]: steps that accepted a depth-(d+1) draft: non-increasing
+    assert all(apd[i] >= apd[i + 1] for i in range(len(apd) - 1))
+
+
+def cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
+    if eos is None or eos not in tokens:
+        return tokens
+    return tokens[: tokens.index(eos) + 1]
+
+
+# --- (a) greedy, fuzzed: several requests in one batch ------------------------------------------
+@st.composite
+def cases(draw):
+    c = {
+        "seed": draw(st.integers(0, 10**6)),
+        "vocab": draw(st.sampled_from([8, 16, 50, 96])),
+        "arch": draw(st.sampled_from(["llama", "llama", "qwen2"])),
+        "tie": draw(st.booleans()),
+        "method": draw(st.sampled_from(["eagle", "eagle2"])),
+        "total": draw(st.integers(1, 60) | st.integers(1, 6)),
+        "depth": draw(st.integers(1, 6)),
+        "choices": draw(st.sampled_from(sorted(CHOICE_SETS))),
+        "eos_at": draw(st.none() | st.integers(0, 39)),
+        "drafter": draw(st.sampled_from(["oracle", "oracle", "oracle", "random_head"])),
+        "window": draw(st.none() | st.integers(0, 4)),  # slack over the longest request; None: roomy
+        "max_batch": draw(st.integers(1, 4)),
+        "prefill_chunk": draw(st.sampled_from([3, 512])),
+        "vanilla_too": draw(st.booleans()),  # one more request in the engine's vanilla lane
+        "fixed_shapes": draw(st.booleans()),  # capacity-wide views, power-of-two row buckets
+        "requests": draw(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 40), st.booleans()),
+                                  min_size=2, max_size=4)),  # (prompt length, max_new, until full)
+    }
+    c["top_k"] = draw(st.integers(1, min(10, c["vocab"])))
+    return c
+
+
+def run_case(c: dict, seen: Counter) -> None:
+    tight = c["window"] is not None
+    window = max(n + m for n, m, _ in c["requests"]) + c["window"] if tight else 256
+    cfg = tiny_config(arch=c["arch"], vocab=c["vocab"], max_pos=window, tie=c["tie"])
+    target = tiny_model(cfg, seed=c["seed"])
+    rng = random.Random(c["seed"])
+    prompts = [[rng.randrange(c["vocab"]) for _ in range(n)] for n, _, _ in c["requests"]]
+    # max_new_tokens None (until the window is full) only with a small window.
+    budgets = [None if (tight and full) else m for _, m, full in c["requests"]]
+    base = run_generate(target, prompts[0], max_new_tokens=budgets[0])
+    eos = None if c["eos_at"] is None else base.tokens[c["eos_at"] % len(base.tokens)]
+    eos_ids = [] if eos is None else [eos]
+    vans = [run_generate(target, p, max_new_tokens=m, eos_ids=eos_ids) for p, m in zip(prompts, budgets)]
+    assert vans[0].tokens == cut_at_eos(base.tokens, eos)
+
+    if c["method"] == "eagle":
+        tree = TreeConfig("eagle", choices=CHOICE_SETS[c["choices"]])
+    else:
+        tree = TreeConfig("eagle2", total_tokens=c["total"], depth=c["depth"], top_k=c["top_k"])
+    if c["drafter"] == "oracle":
+        engine = oracle_engine(target, seed=c["seed"], eos_ids=eos_ids, max_batch=c["max_batch"],
+                               prefill_chunk=c["prefill_chunk"], fixed_shapes=c["fixed_shapes"])
+    else:
+        engine = RecordingEngine(target, init_random_head(cfg, seed=c["seed"]), eos_ids=eos_ids,
+                                 max_batch=c["max_batch"], prefill_chunk=c["prefill_chunk"],
+                                 fixed_shapes=c["fixed_shapes"])
+    reqs = [Request(p, c["method"], tree, max_new_tokens=m) for p, m in zip(prompts, budgets)]
+    extra = [Request(prompts[-1], "vanilla", max_new_tokens=budgets[-1])] if c["vanilla_too"] else []
+    engine.run(reqs + extra)
+    (lane,) = [engine.lanes[k] for k in engine.lanes if k[0] != "vanilla"]
+    budget, max_depth = lane.step_fn.budget, lane.step_fn.path_width - 1
+
+    for req, van in zip(reqs + extra, vans + vans[-1:]):
+        got = engine_tokens(req)
+        assert got == van.tokens, c
+        assert req.stats.stop_reason == van.stats.stop_reason, c
+        check_stats(req, got, max_depth)
+        if req.max_new_tokens is None:
+            assert req.stats.stop_reason in ("context_full", "eos")
+            if req.stats.stop_reason == "context_full":
+                assert len(req.prompt_ids) + len(got) == window
+
+    # Every live row's step: the tree stayed inside the window, and what the fuzz exercised.
+    log = lane.log
+    for r in log:
+        assert 1 <= r.count <= r.valid <= budget
+        assert r.t_len + r.count <= window  # accepted nodes sit at positions < window
+        assert r.t_len + r.valid <= window or r.valid == 1
+    seen["examples"] += 1
+    seen[c["method"]] += 1
+    seen["fixed_shapes"] += c["fixed_shapes"]
+    by_req: dict[int, list] = {}
+    for r in log:
+        by_req.setdefault(id(r.req), []).append(r)
+    if any(r.count >= 4 for r in log):
+        seen["long_run"] += 1
+    if any(r.valid < budget for r in log):
+        seen["tree_cut"] += 1  # a tree cut short near the window
+    if len(reqs) > c["max_batch"]:
+        seen["queued"] += 1
+    lengths_per_step: dict[int, set] = {}
+    for r in log:
+        lengths_per_step.setdefault(r.step, set()).add(r.t_len)
+    if any(len(v) > 1 for v in lengths_per_step.values()):
+        seen["ragged_batch"] += 1  # rows of different lengths stepped together
+    for req in reqs:
+        recs = by_req.get(id(req), [])
+        if not recs:
+            continue
+        last, emitted = recs[-1], req.stats.accept_lengths[-1]
+        cut_inside = emitted <= last.count - 1  # the step's last emitted token was a drafted one
+        if req.stats.stop_reason == "eos" and cut_inside:
+            seen["eos_in_run"] += 1
+            if emitted < last.count - 1:
+                seen["eos_mid_run"] += 1  # accepted drafts after the EOS were dropped
+        if req.stats.stop_reason == "max_new_tokens" and cut_inside:
+            seen["max_new_in_run"] += 1
+        if req.stats.stop_reason == "context_full":
+            seen["context_full"] += 1
+
+
+def test_greedy_lossless_fuzz():
+    seen: Counter = Counter()
+
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(cases())
+    def fuzz(c):
+        run_case(c, seen)
+
+    with single_thread():
+        fuzz()
+    # The fuzzing reached the cases that matter (hypothesis is derandomized: stable counts).
+    for key in ("eagle", "eagle2", "long_run", "eos_in_run", "eos_mid_run", "max_new_in_run",
+                "context_full", "tree_cut", "queued", "ragged_batch", "fixed_shapes"):
+        assert seen[key] > 0, (key, seen)
+
+
+# --- (b) real drafts: a random head, a reduced draft vocabulary, small trees ----------------------
+PROMPTS = [[3], [10, 20, 30, 40, 50, 60, 70], [5, 6, 7], list(range(1, 30))]
+
+
+@pytest.fixture(scope="module")
+def target96():
+    return tiny_model(tiny_config(vocab=96), seed=5)
+
+
+def vanilla(target, prompts, budgets, eos_ids=()):
+    return [run_generate(target, p, max_new_tokens=m, eos_ids=list(eos_ids)) for p, m in zip(prompts, budgets)]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+def test_greedy_lossless_random_head(target96, method):
+    """The real proposer with a random head (acceptance near zero), four rows: still identical."""
+    budgets = [40, 40, 25, 33]
+    tree = TreeConfig(method, total_tokens=24, depth=6, top_k=6)
+    with single_thread():
+        refs = vanilla(target96, PROMPTS, budgets)
+        engine = RecordingEngine(target96, init_random_head(target96.config, seed=9))
+        reqs = engine.run([Request(p, method, tree, max_new_tokens=m) for p, m in zip(PROMPTS, budgets)])
+    for req, ref in zip(reqs, refs):
+        assert engine_tokens(req) == ref.tokens
+        check_stats(req, ref.tokens)
+        assert req.stats.stop_reason == "max_new_tokens"
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+@pytest.mark.parametrize("vocab_size", [3, 20])
+def test_reduced_draft_vocab_lossless_and_confined(target96, method, vocab_size):
+    """A head with a reduced vocabulary proposes only its tokens (even when it holds fewer than
+    top_k, or than the static tree's ranks), and every row's output still equals vanilla's."""
+    head = init_random_head(target96.config, seed=9)
+    allowed = torch.arange(0, 96, 96 // vocab_size)[:vocab_size]
+    head.set_vocab(allowed)
+    tree = TreeConfig(method, total_tokens=12, depth=4, top_k=5)
+    budgets = [30, 30, 30]
+    with single_thread():
+        refs = vanilla(target96, PROMPTS[:3], budgets)
+        engine = RecordingEngine(target96, head)
+        reqs = engine.run([Request(p, method, tree, max_new_tokens=m) for p, m in zip(PROMPTS[:3], budgets)])
+    assert [engine_tokens(r) for r in reqs] == [r.tokens for r in refs]
+    (lane,) = engine.lanes.values()
+    assert lane.proposer.drafted and lane.proposer.drafted <= set(allowed.tolist())
+
+
+@pytest.mark.parametrize("total, depth, top_k", [(2, 6, 10), (3, 6, 10), (5, 8, 10), (1, 6, 10), (60, 6, 10),
+                                                   (30, 3, 100)])
+def test_small_tree_wide_expansion(total, depth, top_k):
+    """EAGLE-2 drafts (depth - 1) * top_k tentative nodes whatever total_tokens is: a small tree
+    with a wide expansion still fits the draft cache's scratch. top_k above the vocabulary (64)
+    is clamped to it. Random head and oracle drafts, three rows."""
+    cfg = tiny_config(vocab=64)
+    target = tiny_model(cfg, seed=6)
+    tree = TreeConfig("eagle2", total_tokens=total, depth=depth, top_k=top_k)
+    prompts, budgets = [[9, 8, 7], [1], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 2]], [32, 20, 27]
+    with single_thread():
+        refs = vanilla(target, prompts, budgets)
+        for engine in (RecordingEngine(target, init_random_head(cfg, seed=1)), oracle_engine(target, seed=3)):
+            reqs = engine.run([Request(p, "eagle2", tree, max_new_tokens=m) for p, m in zip(prompts, budgets)])
+            assert [engine_tokens(r) for r in reqs] == [r.tokens for r in refs]
+            (lane,) = engine.lanes.values()
+            assert lane.step_fn.budget <= total
+            assert max(r.valid for r in lane.log) <= total
+
+
+@pytest.mark.parametrize("method, min_tau", [("eagle", 3.0), ("eagle2", 2.5)])
+def test_oracle_draft_speeds_up(method, min_tau):
+    """A sanity check of the test draft itself: with the oracle always on, every row's tau is
+    well above 1 (and the dynamic trees of its sharp random head are deep enough for long runs)."""
+    cfg = tiny_config(vocab=64)
+    target = tiny_model(cfg, seed=2)
+    tree = TreeConfig(method, total_tokens=16, depth=5, top_k=4)
+    prompts = [[1, 2, 3], [40, 2, 17, 9, 9]]
+    with single_thread():
+        refs = vanilla(target, prompts, [40, 40])
+        engine = oracle_engine(target, p_oracle=1.0, noise=0.0)
+        reqs = engine.run([Request(p, method, tree, max_new_tokens=40) for p in prompts])
+    for req, ref in zip(reqs, refs):
+        assert engine_tokens(req) == ref.tokens
+        assert req.stats.tau > min_tau, req.stats.accept_lengths
+
+
+# --- (c) the context window --------------------------------------------------------------------------
+WINDOW = 40
+NEAR = [(20, 20), (30, 10), (35, None), (12, None), (38, 2), (39, 1), (39, None), (3, None)]
+
+
+def window_setups(target):
+    cfg = target.config
+    big = TreeConfig("eagle2", total_tokens=60, depth=6, top_k=10)
+    return [
+        ("eagle", oracle_engine(target, seed=1, p_oracle=0.7, noise=0.1, max_batch=8), TreeConfig("eagle")),
+        ("eagle2", oracle_engine(target, seed=2, p_oracle=0.7, noise=0.1, max_batch=8), big),
+        ("eagle2-random", RecordingEngine(target, init_random_head(cfg, seed=3), max_batch=8), big),
+    ]
+
+
+def test_near_the_window_equals_vanilla():
+    """Rows near the end of the window in one batch (one token short, until full, a 60-node tree
+    that no longer fits): trees are cut to the room left, accepted nodes stay inside the window,
+    and every row's output and stop reason are vanilla's."""
+    target = tiny_model(tiny_config(vocab=64, max_pos=WINDOW), seed=8)
+    prompts = [[(5 * i + 3) % 64 for i in range(n)] for n, _ in NEAR]
+    budgets = [m for _, m in NEAR]
+    with single_thread():
+        refs = vanilla(target, prompts, budgets)
+        for (n, m), ref in zip(NEAR, refs):
+            assert len(ref.tokens) == (WINDOW - n if m is None else m)
+            assert ref.stats.stop_reason == ("context_full" if m is None else "max_new_tokens")
+        for name, engine, tree in window_setups(target):
+            method = name.split("-")[0]
+            reqs = engine.run([Request(p, method, tree, max_new_tokens=m) for p, m in zip(prompts, budgets)])
+            (lane,) = engine.lanes.values()
+            for req, ref in zip(reqs, refs):
+                assert engine_tokens(req) == ref.tokens, (name, len(req.prompt_ids))
+                assert req.stats.stop_reason == ref.stats.stop_reason, name
+                check_stats(req, ref.tokens)
+            assert all(r.t_len + r.count <= WINDOW for r in lane.log), name
+            assert all(r.valid == min(lane.step_fn.budget, WINDOW - r.t_len) for r in lane.log), name
+            assert any(r.valid < lane.step_fn.budget for r in lane.log), name  # some trees were cut
+
+
+def test_capacity_grows_mid_flight():
+    """A longer request joins a lane whose KV caches were sized for a short one: they grow while
+    the short one is in flight, and every row's output is still vanilla's."""
+    target = tiny_model(tiny_config(vocab=64, max_pos=700), seed=3)
+    tree = TreeConfig("eagle2", total_tokens=16, depth=5, top_k=4)
+    specs = [([5, 1, 2], 30), (list(range(1, 50)), 400), ([9], 120)]
+    with single_thread():
+        refs = vanilla(target, *zip(*specs))
+        engine = oracle_engine(target, p_oracle=0.8, noise=0.1, max_batch=2)
+        reqs = [engine.submit(Request(specs[0][0], "eagle2", tree, max_new_tokens=specs[0][1]))]
+        engine.step()
+        engine.step()
+        (lane,) = engine.lanes.values()
+        small = lane.state.target_cache.capacity
+        reqs += [engine.submit(Request(p, "eagle2", tree, max_new_tokens=m)) for p, m in specs[1:]]
+        engine.step()
+        assert not reqs[0].done and lane.state.target_cache.capacity > small
+        while engine.step():
+            pass
+    assert [engine_tokens(r) for r in reqs] == [r.tokens for r in refs]
+
+
+# --- (d) KV caches after compaction ------------------------------------------------------------------
+class FreshRow:
+    """What a row holding `seq` (its tokens, the newest one last) should hold, from scratch: the
+    target KV of a fresh forward over seq[:-1], the draft KV and root_hidden of a fresh commit of
+    its pairs (x[t+1], f[t]) with the target's real features, and the tree a fresh single-row
+    proposer grows from there."""
+
+    def __init__(self, target, proposer: Proposer, seq: list[int]) -> None:
+        n = len(seq) - 1
+        self.target_kv = target.new_cache(n)
+        out = target(torch.tensor(seq[:n])[None], torch.arange(n)[None], self.target_kv)
+        hc = proposer.head.config
+        self.draft_kv = RowKVCache(1, hc.num_kv_heads, hc.head_dim, n + proposer.scratch, 1)
+        self.hidden = proposer.commit(self.draft_kv, torch.zeros(1, dtype=torch.long), torch.tensor(seq[1:])[None],
+                                      out.features, torch.tensor([n]), n)
+        room = torch.tensor([target.config.max_position_embeddings - n]).clamp(min=1)
+        self.tree = proposer.propose(self.draft_kv, torch.tensor(seq[-1:]), self.hidden, room, n + proposer.scratch)
+
+
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed"])
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+def test_kv_caches_after_compaction(method, fixed_shapes):
+    """After every engine step, each live row's committed target KV entries are those of a fresh
+    forward over its tokens (prompt + output, the newest excepted), and its draft entries and
+    root_hidden those of a fresh commit of its pairs (x[t+1], f[t]) with the target's real
+    features. And every tree the engine proposes for a row (reused rows' first ones included) is
+    the one a fresh single-row proposer grows from that state. Four requests in three rows."""
+    cfg = tiny_config(vocab=32, max_pos=128)
+    target = tiny_model(cfg, seed=21)
+    tree = (TreeConfig("eagle2", total_tokens=20, depth=5, top_k=3) if method == "eagle2"
+            else TreeConfig("eagle"))
+    prompts = [[4, 9, 1, 30, 2], [7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8, 8, 2]]
+    budgets = [40, 12, 30, 25]
+    checked, proposals = Counter(), {}
+    with single_thread(), torch.inference_mode():
+        engine = oracle_engine(target, seed=4, p_oracle=0.9, noise=0.3, max_batch=3, fixed_shapes=fixed_shapes)
+        reqs = [engine.submit(Request(p, method, tree, max_new_tokens=m)) for p, m in zip(prompts, budgets)]
+        fresh_proposer = Proposer(engine.head, target, tree)
+
+        def check_proposal(row, ctx, proposed, b):
+            want = FreshRow(target, fresh_proposer, ctx).tree
+            for f in ("tokens", "parents", "valid"):
+                assert torch.equal(getattr(proposed, f)[b], getattr(want, f)[0]), (f, row, len(ctx))
+            proposals.setdefault(id(lane.requests[row]), []).append(len(ctx))
+
+        lane = engine._lane(reqs[0])  # the lane all four share, made before they are admitted
+        lane.proposer.on_propose = check_proposal
+        while engine.step():
+            s = lane.state
+            for r in lane.active:
+                req = lane.requests[r]
+                seq = req.prompt_ids + engine_tokens(req)
+                n = len(seq) - 1
+                assert int(s.target_cache.lengths[r]) == n == lane.lengths[r]
+                assert int(s.draft_cache.lengths[r]) == n
+                assert int(s.root[r]) == seq[-1]
+                fresh = FreshRow(target, fresh_proposer, seq)
+                for name in ("k", "v"):
+                    torch.testing.assert_close(getattr(s.target_cache, name)[:, r, :, :n],
+                                               getattr(fresh.target_kv, name)[:, 0], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(getattr(s.draft_cache, name)[:, r, :, :n],
+                                               getattr(fresh.draft_kv, name)[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(s.root_hidden[r], fresh.hidden[0], rtol=1e-4, atol=1e-4)
+                checked[id(req)] += 1
+    refs = vanilla(target, prompts, budgets)
+    assert [engine_tokens(r) for r in reqs] == [r.tokens for r in refs]
+    assert sum(checked.values()) >= 25 and set(checked) == {id(r) for r in reqs}  # the reused row's too
+    # Every request's trees were checked from its first on (right after its prefill).
+    assert [proposals[id(r)][0] for r in reqs] == [len(p) + 1 for p in prompts]
+    # Accepted paths that needed slots moved, not just a prefix kept.
+    assert sum(r.path != list(range(r.count)) for r in lane.log) >= 3
+
+
+# --- (e) speculative sampling end to end, with power -----------------------------------------------
+PROMPT = [1, 2, 3, 4]
+NEW = 3
+SMALL_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+E2E = [  # (method, sampling, fixed_shapes)
+    ("eagle", SamplingConfig(temperature=1.0), False),
+    ("eagle2", SamplingConfig(temperature=1.0), False),
+    ("eagle2", SamplingConfig(temperature=0.7, top_k=4), True),
+    ("eagle", SamplingConfig(temperature=0.9, top_p=0.8), True),
+]
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    cfg = tiny_config(vocab=8, hidden=16, layers=1, heads=2, kv_heads=1, inter=32)
+    return tiny_model(cfg, seed=1, scale=2.0)
+
+
+def tree_for(method: str) -> TreeConfig | None:
+    if method == "vanilla":
+        return None
+    if method == "eagle":
+        return TreeConfig("eagle", choices=SMALL_CHOICES)
+    return TreeConfig("eagle2", total_tokens=8, depth=3, top_k=3)
+
+
+def sample_engine(target, method: str, cfg: SamplingConfig, n: int, seed0: int = 0, wave: int = 64,
+                  fixed_shapes: bool = False):
+    """n requests (seeds seed0..) through one engine, 8 rows at a time, with the deterministic
+    oracle draft. Returns (Counter of outputs, accepted drafts in total)."""
+    engine = oracle_engine(target, p_oracle=1.0, noise=0.0, memo=True, max_batch=8, fixed_shapes=fixed_shapes)
+    reqs = [Request(PROMPT, method, tree_for(method), dataclasses.replace(cfg, seed=seed0 + s), NEW)
+            for s in range(n)]
+    with single_thread():
+        for a in range(0, n, wave):  # in waves: the engine scans its whole queue every step
+            engine.run(reqs[a:a + wave])
+    counts, accepted = Counter(), 0
+    for r in reqs:
+        out = engine_tokens(r)
+        assert len(out) == NEW
+        counts[tuple(out)] += 1
+        accepted += sum(a - 1 for a in r.stats.accept_lengths)
+    return counts, accepted
+
+
+@pytest.mark.parametrize("method, cfg, fixed_shapes", E2E,
+                         ids=["eagle-t1", "eagle2-t1", "eagle2-t0.7-topk4-fixed", "eagle-topp0.8-fixed"])
+def test_engine_sampling_lossless(small_target, method, cfg, fixed_shapes):
+    expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
+    n = 1500
+    counts, accepted = sample_engine(small_target, method, cfg, n, fixed_shapes=fixed_shapes)
+    pval, stat, df = chi_square_pvalue(counts, expected)
+    assert df >= 15, df
+    assert pval > PASS_P, (stat, df)
+    assert accepted > 0.3 * n  # the drafts were informative: many draft tokens were accepted
+
+
+def verify_first_child(tree, logits, sampling, step, *, max_children=None):
+    """WRONG (sampled rows): always accept the first valid child, down to a leaf; the bonus is
+    drawn from the target at the last node. Greedy rows verify as usual."""
+    real = spec_verify.verify(tree, logits, sampling, step, max_children=max_children)
+    b, n = tree.tokens.shape
+    parents, valid = tree.parents.tolist(), tree.valid.tolist()
+    paths, nodes = [], []
+    for r in range(b):
+        path = [0]
+        while True:
+            kids = [j for j in range(1, n) if valid[r][j] and parents[r][j] == path[-1]]
+            if not kids:
+                break
+            path.append(kids[0])
+        nodes.append(path[-1])
+        paths.append(path + [path[-1]] * (tree.max_depth + 1 - len(path)))
+    path, node = torch.tensor(paths), torch.tensor(nodes)
+    count = torch.tensor([len(set(p)) for p in paths])
+    p = row_probabilities(logits[torch.arange(b), node], sampling)
+    wrong = acceptance_from_path(tree, path, count, draw(p, uniforms(sampling.seed, step, node, BONUS)))
+    g = sampling.greedy
+    return dataclasses.replace(wrong, **{f: torch.where(g.view(-1, *([1] * (getattr(real, f).dim() - 1))),
+                                                       getattr(real, f), getattr(wrong, f))
+                                          for f in ("path", "count", "emitted", "bonus")})
+
+
+def no_zeroing(monkeypatch):
+    """WRONG: a rejected draft token keeps its mass in p (accept with p(x), never remove x)."""
+    monkeypatch.setattr(spec_verify, "_residual", lambda p, q, x: p)
+
+
+def first_child(monkeypatch):
+    monkeypatch.setattr(step_mod, "verify", verify_first_child)
+
+
+@pytest.mark.parametrize("wrong, n", [(no_zeroing, 500), (first_child, 200)])
+def test_engine_sampling_statistic_has_power(small_target, monkeypatch, wrong, n):
+    cfg = SamplingConfig(temperature=1.0)
+    expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
+    wrong(monkeypatch)
+    counts, _ = sample_engine(small_target, "eagle2", cfg, n)
+    pval, stat, df = chi_square_pvalue(counts, expected)
+    assert pval < FAIL_P, (stat, df)
+
+
+def test_engine_vanilla_sampling_matches_exact(small_target):
+    """The reference itself, through the engine's vanilla lane: plain sampling fits it, and the
+    statistic rejects the reference of a different temperature."""
+    cfg = SamplingConfig(temperature=1.0)
+    counts, accepted = sample_engine(small_target, "vanilla", cfg, 800)
+    assert accepted == 0
+    assert chi_square_pvalue(counts, exact_sequence_probs(small_target, PROMPT, cfg, NEW))[0] > PASS_P
+    other = exact_sequence_probs(small_target, PROMPT, SamplingConfig(temperature=0.8), NEW)
+    assert chi_square_pvalue(counts, other)[0] < FAIL_P
+
+
+# --- regression: idle rows ------------------------------------------------------------------------------
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed"])
+def test_idle_row_does_not_outgrow_the_cache(fixed_shapes):
+    """Regression: row 0 finishes after one step; row 1 (sampled, so it accepts little) runs on. The
+    idle row 0 keeps being stepped greedily (its lengths must stay pinned at 0, else it outgrows the
+    KV cache: IndexError for the live request), and with this target (every logit 0: greedy always says token
+    0, which the draft's rank-0 chain proposes) it accepts the whole chain every step."""
+    cfg = tiny_config(vocab=96, max_pos=1024)
+    target = tiny_model(cfg, seed=5)
+    with torch.no_grad():
+        target.lm_head.weight.zero_()
+    tree = TreeConfig("eagle", choices=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    live = dict(method="eagle", tree=tree, sampling=SamplingConfig(1.0, seed=0), max_new_tokens=200)
+    with single_thread():
+        head = init_random_head(cfg, seed=9)
+        (alone,) = Engine(target, head, max_batch=2, fixed_shapes=fixed_shapes).run([Request([4, 5, 6], **live)])
+        engine = Engine(target, head, max_batch=2, fixed_shapes=fixed_shapes)
+        _, long = engine.run([Request([1, 2, 3], "eagle", tree, max_new_tokens=2), Request([4, 5, 6], **live)])
+    assert engine_tokens(long) == engine_tokens(alone)
