@@ -19,7 +19,7 @@ import torch
 from .config import ConfigError, SamplingConfig, TreeConfig
 from .draft import DraftHead, init_random_head, load_head
 from .runtime.engine import Engine, Request
-from .runtime.request import GenerationStats, check_request, cut_at_stop_string
+from .runtime.request import GenerationStats, check_request, check_text, cut_at_stop_string
 from .model import Transformer
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import DEFAULT_MODEL, ModelSource, load_model
@@ -129,6 +129,10 @@ class Stream:
         assert self.result is not None
         return self.result
 
+    def close(self) -> None:
+        """Stop early: cancel the request and free its row (iteration, if resumed, just ends)."""
+        self._tokens.close()
+
 
 class EagleSpec:
     """A target model, its tokenizer and (optionally) an EAGLE draft head."""
@@ -174,10 +178,13 @@ class EagleSpec:
     def encode(self, prompt: Prompt, chat: bool = True, system: str | None = None) -> tuple[str, list[int]]:
         """Prompt text (or messages) -> (rendered prompt text, token ids)."""
         if isinstance(prompt, str):
+            check_text(prompt)
             if not chat:
                 return prompt, self.tokenizer.encode(prompt)
             prompt = [{"role": "user", "content": prompt}]
-        messages = list(prompt)
+        messages = check_messages(prompt)
+        if system is not None:
+            check_text(system, "system", empty_ok=True)
         if system is not None and not (messages and messages[0]["role"] == "system"):
             messages.insert(0, {"role": "system", "content": system})
         text = self.tokenizer.render_chat(messages)
@@ -185,9 +192,23 @@ class EagleSpec:
 
     def stream(self, prompt: Prompt, *, method: str = "vanilla", max_new_tokens: int | None = 256,
                sampling: SamplingConfig | None = None, tree: TreeConfig | None = None, chat: bool = True,
-               system: str | None = None, stop: list[str] = ()) -> Stream:
+               system: str | None = None, stop: str | list[str] = ()) -> Stream:
+        """stop: a stop string or a list of them."""
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        # Types are checked here, so a wrong one is named now instead of failing deep in torch or jinja2.
+        if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)):
+            raise TypeError(f"max_new_tokens must be an int or None, got {type(max_new_tokens).__name__} "
+                            f"{max_new_tokens!r}")
+        for name, value, kind in (("sampling", sampling, SamplingConfig), ("tree", tree, TreeConfig),
+                                  ("system", system, str)):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"{name} must be a {kind.__name__} or None, got {type(value).__name__}")
+        if not isinstance(chat, bool):
+            raise TypeError(f"chat must be True or False, got {type(chat).__name__}")
+        stop = [stop] if isinstance(stop, str) else stop  # one string is one stop string, not its characters
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
         if method != "vanilla":
             with self.engine.lock:
                 if self.head is None:
@@ -204,6 +225,24 @@ class EagleSpec:
 
     def generate(self, prompt: Prompt, **kwargs) -> GenerationResult:
         return self.stream(prompt, **kwargs).run()
+
+
+def check_messages(messages) -> Messages:
+    """A chat: a list of {"role": "system"|"user"|"assistant", "content": str}, or an error naming the message."""
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"prompt must be a string or a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("prompt: the list of messages is empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TypeError(f"prompt[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if m.get("role") not in ("system", "user", "assistant"):
+            raise ValueError(f"prompt[{i}]['role'] must be 'system', 'user' or 'assistant', got {m.get('role')!r}")
+        if not isinstance(m.get("content"), str):
+            raise TypeError(f"prompt[{i}]['content'] must be a string, got "
+                            f"{'nothing' if 'content' not in m else type(m['content']).__name__}")
+        check_text(m["content"], f"prompt[{i}]['content']", empty_ok=True)
+    return list(messages)
 
 
 def set_threads() -> None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-from .config import SamplingConfig, TreeConfig
+from .config import MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_TREE_TOPK, SamplingConfig, TreeConfig
+from .files import read_text_limited
+from .runtime.request import GenerationError, check_text
 from .weights import DEFAULT_MODEL
 
 
@@ -33,9 +33,13 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="vanilla", choices=["vanilla", "eagle", "eagle2"])
     p.add_argument("--draft", default=None, help="draft head: default | random | PATH (eagle/eagle2)")
     d = TreeConfig()
-    p.add_argument("--total-tokens", type=int, default=d.total_tokens, help="eagle2 tree size incl. root")
-    p.add_argument("--depth", type=int, default=d.depth, help="eagle2 drafting depth")
-    p.add_argument("--topk", type=int, default=d.top_k, help="eagle2 children per expanded node")
+    # Default None: an option given where it does not apply is refused, not silently ignored.
+    p.add_argument("--total-tokens", type=int, default=None,
+                   help=f"eagle2 tree size incl. root, 1..{MAX_TREE_TOKENS} (default {d.total_tokens})")
+    p.add_argument("--depth", type=int, default=None,
+                   help=f"eagle2 drafting depth, 1..{MAX_TREE_DEPTH} (default {d.depth})")
+    p.add_argument("--topk", type=int, default=None,
+                   help=f"eagle2 children per expanded node, 1..{MAX_TREE_TOPK} (default {d.top_k})")
     p.add_argument("--tree-choices", default=None, help="eagle static tree: JSON list of paths")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -48,9 +52,29 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from(args) -> SamplingConfig:
-    if args.temperature is None or math.isnan(args.temperature):
-        raise UsageError("--temperature must be a number >= 0")
-    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    try:
+        return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as e:  # the config's messages start with its field's name: name the option instead
+        raise UsageError(f"--{str(e).split()[0].replace('_', '-')}: {e}") from None
+
+
+TREE_SIZES = (("--total-tokens", "total_tokens", MAX_TREE_TOKENS), ("--depth", "depth", MAX_TREE_DEPTH),
+              ("--topk", "topk", MAX_TREE_TOPK))
+
+
+def check_options(args, command: str) -> None:
+    """Refuse options that do not apply to this command or method (silently ignoring them misleads)."""
+    sizes = [flag for flag, name, _ in TREE_SIZES if getattr(args, name) is not None]
+    if sizes and args.method != "eagle2":
+        raise UsageError(f"{', '.join(sizes)}: tree sizes apply to --method eagle2 only, not {args.method}")
+    if args.tree_choices and args.method != "eagle":
+        raise UsageError(f"--tree-choices: a static tree applies to --method eagle only, not {args.method}")
+    if args.no_chat and command == "chat":
+        raise UsageError("--no-chat does not apply to chat (it always uses the chat template)")
+    if args.no_chat and args.system is not None:
+        raise UsageError("--system needs the chat template; it does not apply with --no-chat")
+    if args.system is not None:
+        check_text(args.system, "--system", empty_ok=True)
 
 
 def tree_from(args) -> TreeConfig | None:
@@ -59,9 +83,15 @@ def tree_from(args) -> TreeConfig | None:
     from .tree import load_choices
 
     kw = {}
+    for flag, name, top in TREE_SIZES:
+        value = getattr(args, name)
+        if value is not None:
+            if not 1 <= value <= top:  # the caches are sized from these: bounded, with the bound stated
+                raise UsageError(f"{flag} must be between 1 and {top}, got {value}")
+            kw["top_k" if name == "topk" else name] = value
     if args.tree_choices:
         kw["choices"] = load_choices(args.tree_choices)
-    return TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth, top_k=args.topk, **kw)
+    return TreeConfig(method=args.method, **kw)
 
 
 @dataclass
@@ -70,12 +100,18 @@ class PromptItem:
 
     turns: list[str]
     question_id: object = None
+    where: str = "--prompt"  # for messages: "--prompts FILE:LINE"
+
+
+MAX_PROMPTS_BYTES = 64 << 20  # bounded, so --prompts /dev/zero is refused instead of filling memory
 
 
 def read_prompts(path: str) -> list[PromptItem]:
+    """Every line is checked before the model loads: a malformed line ends the run (naming it) before
+    anything ran. A prompt that is well formed but cannot run (too long) is skipped at run time."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        lines = read_text_limited(path, MAX_PROMPTS_BYTES).splitlines()
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise UsageError(f"--prompts {path}: cannot read ({e.__class__.__name__}: {e})") from None
     items = []
     for no, line in enumerate(lines, 1):
@@ -85,13 +121,17 @@ def read_prompts(path: str) -> list[PromptItem]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise UsageError(f"--prompts {path}:{no}: not valid JSON ({e.msg})") from None
+        where = f"--prompts {path}:{no}"
         if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-            items.append(PromptItem([rec["prompt"]], rec.get("question_id", rec.get("id"))))
+            item = PromptItem([rec["prompt"]], rec.get("question_id", rec.get("id")), where)
         elif isinstance(rec, dict) and isinstance(rec.get("turns"), list) and rec["turns"] \
                 and all(isinstance(t, str) for t in rec["turns"]):
-            items.append(PromptItem(list(rec["turns"]), rec.get("question_id")))
+            item = PromptItem(list(rec["turns"]), rec.get("question_id"), where)
         else:
-            raise UsageError(f'--prompts {path}:{no}: expected {{"prompt": str}} or {{"turns": [str, ...]}}')
+            raise UsageError(f'{where}: expected {{"prompt": str}} or {{"turns": [str, ...]}}')
+        for t in item.turns:
+            check_text(t, f"{where}: prompt")  # lone surrogates (JSON "\\ud800"), empty prompts
+        items.append(item)
     if not items:
         raise UsageError(f"--prompts {path}: no prompts in the file")
     return items
@@ -108,8 +148,13 @@ def run_conversation(engine, item: PromptItem, args, sampling, tree, emit) -> No
         else:
             messages.append({"role": "user", "content": turn})
             prompt = list(messages)
-        stream = engine.stream(prompt, method=args.method, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                               tree=tree, chat=not args.no_chat, system=args.system, stop=args.stop)
+        try:
+            stream = engine.stream(prompt, method=args.method, max_new_tokens=args.max_new_tokens,
+                                   sampling=sampling, tree=tree, chat=not args.no_chat, system=args.system,
+                                   stop=args.stop)
+        except GenerationError as e:  # name where the prompt came from (line and turn)
+            turn_no = f" (turn {i + 1})" if len(item.turns) > 1 else ""
+            raise GenerationError(f"{item.where}{turn_no}: {e}") from None
         if not args.json:
             for piece in stream:
                 sys.stdout.write(piece)
@@ -128,6 +173,9 @@ def cmd_generate(args) -> int:
 
     if (args.prompt is None) == (args.prompts is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompts FILE")
+    if args.prompt is not None:
+        check_text(args.prompt, "--prompt")  # invalid UTF-8 in the argument, empty prompts: before loading
+    check_options(args, "generate")
     items = [PromptItem([args.prompt])] if args.prompt is not None else read_prompts(args.prompts)
     sampling, tree = sampling_from(args), tree_from(args)
     set_threads()
@@ -145,20 +193,33 @@ def cmd_generate(args) -> int:
             print(f"# {result.new_tokens} tokens in {result.wall_s:.2f} s = {result.tokens_per_s:.1f} tokens/s"
                   + (f", tau {result.tau:.2f}" if args.method != "vanilla" else ""), file=sys.stderr)
 
+    # A prompts file is run to the end, like `train` skips bad records: a prompt that cannot run
+    # (too long for the context) is skipped with a note, and the exit code says something was.
+    skipped = []
     for item in items:
-        run_conversation(engine, item, args, sampling, tree, emit)
+        try:
+            run_conversation(engine, item, args, sampling, tree, emit)
+        except GenerationError as e:
+            if len(items) == 1:
+                raise
+            skipped.append(str(e))
+            print(f"# skipped {e}", file=sys.stderr, flush=True)
+    if skipped:
+        raise UsageError(f"skipped {len(skipped)} of {len(items)} prompts (the others ran); first: {skipped[0]}")
     return 0
 
 
 def cmd_chat(args) -> int:
     from .api import EagleSpec, set_threads
 
+    check_options(args, "chat")
     sampling, tree = sampling_from(args), tree_from(args)
     set_threads()
     engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device)
     if args.method != "vanilla" or args.draft:
         engine.set_draft(args.draft or "default")
-    print(f"eaglespec chat with {engine.source.name} ({args.method}); /reset clears, /quit or Ctrl-D ends.")
+    print(f"eaglespec chat with {engine.source.name} ({args.method}); /reset clears, /quit or Ctrl-D ends, "
+          "Ctrl-C stops an answer.")
     messages: list[dict[str, str]] = []
     while True:
         try:
@@ -166,6 +227,9 @@ def cmd_chat(args) -> int:
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
+        except UnicodeDecodeError:
+            print("eaglespec: refused: that line is not valid UTF-8 text", file=sys.stderr)
+            continue
         if line.strip() in ("/quit", "/exit"):
             return 0
         if line.strip() == "/reset":
@@ -173,17 +237,26 @@ def cmd_chat(args) -> int:
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
-        stream = engine.stream(list(messages), method=args.method, max_new_tokens=args.max_new_tokens,
-                               sampling=sampling, tree=tree, system=args.system, stop=args.stop)
+        turn = messages + [{"role": "user", "content": line}]
+        try:
+            stream = engine.stream(turn, method=args.method, max_new_tokens=args.max_new_tokens,
+                                   sampling=sampling, tree=tree, system=args.system, stop=args.stop)
+        except GenerationError as e:  # this message cannot run (too long, invalid text): the chat goes on
+            print(f"eaglespec: refused: {e}; the conversation is kept (/reset clears it)", file=sys.stderr)
+            continue
         sys.stdout.write("bot> ")
-        for piece in stream:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        try:
+            for piece in stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:  # stop this answer, as chat tools do; the conversation stays as it was
+            stream.close()  # cancels the request and frees its row
+            print("\n  [interrupted: answer dropped]")
+            continue
         r = stream.result
         print(f"\n  [{r.new_tokens} tokens, {r.tokens_per_s:.1f} tokens/s"
               + (f", tau {r.tau:.2f}]" if args.method != "vanilla" else "]"))
-        messages.append({"role": "assistant", "content": r.text})
+        messages = turn + [{"role": "assistant", "content": r.text}]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for a prompt or a prompts file")
     g.add_argument("--prompt", default=None)
-    g.add_argument("--prompts", default=None, help='jsonl: {"prompt": ...} or {"question_id", "turns": [...]}')
+    g.add_argument("--prompts", default=None,
+                   help='jsonl: {"prompt": ...} or {"question_id", "turns": [...]}; a malformed line stops the '
+                        "run before it starts, a prompt too long to run is skipped (exit code 2 at the end)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt (per turn) on stdout")
     add_model_args(g)
     add_decoding_args(g)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from numbers import Integral, Real
 from typing import Any
 
 # Architectures whose decoder layer is the Llama block (RMSNorm, RoPE, GQA, SwiGLU).
@@ -139,6 +140,11 @@ class ModelConfig:
         return out
 
 
+MAX_SEED = 2**63 - 1
+# Largest trees accepted (GPU trees are ~60 tokens, depth 6, top-k 10; these leave ample room).
+MAX_TREE_TOKENS, MAX_TREE_DEPTH, MAX_TREE_TOPK = 1024, 64, 128
+
+
 @dataclass
 class SamplingConfig:
     """How the next token is chosen. temperature 0 is greedy (argmax)."""
@@ -149,13 +155,22 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        # Types first (TypeError naming the field), so a bad value never reaches torch.
+        for name, kinds, what in (("temperature", Real, "a number"), ("top_p", Real, "a number"),
+                                  ("top_k", Integral, "an int"), ("seed", (Integral, type(None)), "an int or None")):
+            v = getattr(self, name)
+            if not isinstance(v, kinds) or isinstance(v, bool):
+                raise TypeError(f"{name} must be {what}, got {type(v).__name__} {v!r}")
         t = self.temperature
-        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {t!r}")
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         if not (0.0 < self.top_p <= 1.0) or math.isnan(self.top_p):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        # The engine keeps seeds in int64 tensors; refuse what would wrap or overflow there.
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be between 0 and {MAX_SEED} (2**63 - 1), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -188,5 +203,11 @@ class TreeConfig:
     def __post_init__(self) -> None:
         if self.method not in ("eagle", "eagle2"):
             raise ValueError(f"tree method must be 'eagle' or 'eagle2', got {self.method!r}")
-        if self.total_tokens < 1 or self.depth < 1 or self.top_k < 1:
-            raise ValueError("total_tokens, depth and top_k must all be >= 1")
+        # Caches are sized from these: an unbounded value would allocate without limit.
+        for name, top in (("total_tokens", MAX_TREE_TOKENS), ("depth", MAX_TREE_DEPTH), ("top_k", MAX_TREE_TOPK)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                raise ValueError(f"tree {name} must be an int between 1 and {top}, got {v!r}")
+        if len(self.choices) + 1 > MAX_TREE_TOKENS or max(map(len, self.choices), default=0) > MAX_TREE_DEPTH:
+            raise ValueError(f"tree choices must have at most {MAX_TREE_TOKENS - 1} paths of length at most "
+                             f"{MAX_TREE_DEPTH}, got {len(self.choices)} paths")

@@ -133,8 +133,12 @@ class RowKVCache:
         assert self._slots is not None, "call prepare() before a forward"
         # Advanced indexing (index_put) rather than scatter_: several times faster on CPU.
         rows, slots = self._rows, self._slots  # [B, T] each
-        self.k[layer][rows, :, slots] = k.transpose(1, 2)  # [B, T, n_kv, hd]
-        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+        if slots.shape[0] == 1:  # one row: index_copy_ is 3x faster still
+            self.k[layer].index_copy_(2, slots[0], k)
+            self.v[layer].index_copy_(2, slots[0], v)
+        else:
+            self.k[layer][rows, :, slots] = k.transpose(1, 2)  # [B, T, n_kv, hd]
+            self.v[layer][rows, :, slots] = v.transpose(1, 2)
         return self.k[layer, :, :, : self._view], self.v[layer, :, :, : self._view]
 
     def advance(self, t: int) -> None:

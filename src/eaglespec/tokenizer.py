@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .files import DIR_MODE, TMP_SUFFIX, remove_stale_temps
 from .weights import ModelLoadError, ModelSource, cache_dir, source_key
 
 
@@ -56,13 +57,17 @@ def _gguf_tokenizer(src: ModelSource):
         tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
     except Exception as e:  # transformers raises many types for a bad GGUF vocabulary
         raise ModelLoadError(f"{src.path}: cannot build its tokenizer ({type(e).__name__}: {e})") from None
+    tmp = None
     try:  # save into a temp dir, then rename: a concurrent reader never sees half a tokenizer
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+        remove_stale_temps(cached.parent)  # left by a process killed while saving
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=cached.name + ".", suffix=TMP_SUFFIX))
         tok.save_pretrained(str(tmp))
+        tmp.chmod(DIR_MODE)  # mkdtemp's 0700 would differ from its neighbours
         tmp.rename(cached)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 

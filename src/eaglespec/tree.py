@@ -14,6 +14,10 @@ from pathlib import Path
 
 import torch
 
+from .files import read_text_limited
+
+MAX_CHOICES_BYTES = 1 << 20
+
 
 @dataclass
 class Tree:
@@ -106,9 +110,9 @@ def truncate_layout(layout: StaticLayout, size: int) -> StaticLayout:
 
 def load_choices(path: str | Path) -> list[list[int]]:
     """A JSON file holding a list of paths, e.g. [[0], [1], [0, 0]]."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    try:  # bounded: the largest accepted tree (1023 paths of depth <= 64) is far below 1 MiB
+        data = json.loads(read_text_limited(path, MAX_CHOICES_BYTES))
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"--tree-choices {path}: unreadable JSON ({e})") from None
     if not isinstance(data, list) or not all(isinstance(c, list) and all(isinstance(x, int) for x in c) for c in data):
         raise ValueError(f"--tree-choices {path}: expected a list of lists of ints, e.g. [[0], [1], [0, 0]]")

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 import importlib.util
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from .config import GGUF_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
+from .files import atomic_path, remove_stale_temps
 from .model import Rotary, Transformer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -350,21 +350,16 @@ def atomic_save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metada
     """Write to a temp file in the same directory, then rename: readers never see half a file."""
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _load_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
     cached = cache_dir() / "converted" / f"{source_key(path, str(dtype))}.safetensors"
+    # A conversion killed mid-write (SIGKILL, power loss) leaves its temp file: hundreds of MB each.
+    remove_stale_temps(cached.parent)
     if cached.is_file():
         try:
             with safe_open(str(cached), framework="pt") as sf:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..config import TreeConfig
+from ..files import atomic_write_text
 from ..weights import DEFAULT_MODEL
 from .datasets import DATASETS
 from .methods import METHODS
@@ -59,6 +60,8 @@ def cmd_bench(args) -> int:
     from .report import write_report
     from .runner import BenchConfig, run_bench
 
+    if not args.methods:  # `--methods ""` would otherwise run vanilla alone and report success
+        raise ValueError(f"--methods is empty; give one or more of {','.join(METHODS)}")
     check_names(args.methods)
     cfg = BenchConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                       seed=args.seed, progress=not args.no_progress)
@@ -111,10 +114,9 @@ def _cmd_throughput(args, engine, items, tree) -> int:
     result = run_throughput(engine, items, engine_methods, tree, args.batch_size, args.max_new_tokens,
                             args.temperature, args.seed)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "throughput.json").write_text(json.dumps(result.to_dict(), indent=2))
+    atomic_write_text(out / "throughput.json", json.dumps(result.to_dict(), indent=2))
     table = throughput_table(result)
-    (out / "throughput.md").write_text(f"# Throughput ({result.setup})\n\n{table}")
+    atomic_write_text(out / "throughput.md", f"# Throughput ({result.setup})\n\n{table}")
     print(table)
     return 0
 

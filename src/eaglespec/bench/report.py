@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import atomic_write_text
 from .runner import BenchResult
 
 
@@ -180,7 +181,8 @@ def write_report(result: BenchResult, out_dir: str | Path, command: str | None =
             "rounding_differences": result.rounding_differences,
             "summary": summary, "rows": [asdict(r) for r in result.rows]}
     files = ReportFiles(out / "results.json", out / "report.md")
-    files.results.write_text(json.dumps(data, indent=1))
-    files.report.write_text(markdown(result, summary, machine, command))
+    # Atomic, like the checkpoints: a killed run never leaves half a results file behind.
+    atomic_write_text(files.results, json.dumps(data, indent=1))
+    atomic_write_text(files.report, markdown(result, summary, machine, command))
     files.plots = plot(summary, result.methods, out)
     return files

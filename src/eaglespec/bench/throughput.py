@@ -31,6 +31,8 @@ class ThroughputRow:
     tokens_per_s: float
     steps: int  # engine steps of this lane (one step advances every running row)
     tau: float
+    draft_ms_per_step: float = 0.0  # propose + commit, per engine step
+    verify_ms_per_step: float = 0.0  # target forward + verify + cache compaction, per engine step
     identical_to_batch1: int | None = None  # greedy outputs equal to batch size 1's
     peak_rss_mb: float = 0.0  # process peak so far (Linux ru_maxrss)
 
@@ -97,8 +99,12 @@ def run_throughput(eagle, items: list[BenchItem], methods: list[str], tree: Tree
                 ref = outs
             elif sampling.greedy or sampling.seed is not None:
                 same = sum(a == b_ for a, b_ in zip(outs, ref))
+            # Every request in a step records that step's times: average them over request-steps.
+            per_step = 1e3 / max(1, spec_steps)
             row = ThroughputRow(method, b, len(reqs), n, wall, n / wall, steps,
-                                sum(len(o) - 1 for o in outs) / max(1, spec_steps), same,
+                                sum(len(o) - 1 for o in outs) / max(1, spec_steps),
+                                per_step * sum(r.stats.draft_s for r in reqs),
+                                per_step * sum(r.stats.verify_s for r in reqs), same,
                                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
             result.rows.append(row)
             print(f"# {method} batch {b}: {row.tokens_per_s:.1f} tok/s, tau {row.tau:.2f}, {steps} steps"
@@ -107,12 +113,12 @@ def run_throughput(eagle, items: list[BenchItem], methods: list[str], tree: Tree
 
 
 def throughput_table(result: ThroughputResult) -> str:
-    lines = ["| method | batch | requests | tokens/s | x batch 1 | tau | identical to batch 1 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | requests | tokens/s | x batch 1 | tau | draft ms/step | verify ms/step | "
+             "identical to batch 1 |", "|---|---|---|---|---|---|---|---|---|"]
     base = {r.method: r.tokens_per_s for r in result.rows if r.batch_size == 1}
     for r in result.rows:
         ratio = r.tokens_per_s / base[r.method] if base.get(r.method) else float("nan")
         same = "-" if r.identical_to_batch1 is None else f"{r.identical_to_batch1}/{r.requests}"
         lines.append(f"| {r.method} | {r.batch_size} | {r.requests} | {r.tokens_per_s:.1f} | {ratio:.2f}x | "
-                     f"{r.tau:.2f} | {same} |")
+                     f"{r.tau:.2f} | {r.draft_ms_per_step:.1f} | {r.verify_ms_per_step:.1f} | {same} |")
     return "\n".join(lines) + "\n"

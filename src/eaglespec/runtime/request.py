@@ -83,3 +83,17 @@ def check_request(window: int, n: int, max_new_tokens: int | None) -> None:
             raise GenerationError(
                 f"prompt of {n} tokens + max_new_tokens {max_new_tokens} exceeds the context window of "
                 f"{window} tokens; lower --max-new-tokens to at most {window - n}")
+
+
+def check_text(text: str, what: str = "prompt", empty_ok: bool = False) -> None:
+    """Refuse text no tokenizer can take: lone surrogates, which is how Python carries invalid
+    UTF-8 bytes (command-line arguments, surrogateescape) and JSON's unpaired \\ud800 escapes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        bad = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate U+{c:04X}"
+        raise GenerationError(f"{what} is not valid UTF-8 text ({bad} at character {e.start})") from None
+    if not empty_ok and not text.strip():
+        # Refused in chat and raw mode alike (a chat template would otherwise hide the emptiness).
+        raise GenerationError(f"{what} is empty")

@@ -20,6 +20,12 @@ from .sampling import RowSampling, row_probabilities
 from .tree import BatchAcceptance, BatchTree, acceptance_from_path
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension (the first maximum on ties, like argmax). max().indices is
+    4x faster than argmax on bf16 CPU tensors (1.5 ms vs 0.33 ms for 16 x 49k logits)."""
+    return logits.max(-1).indices
+
+
 def _at(x: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
     """x [B, N, ...], node [B] -> x[b, node[b]]: [B, ...]."""
     return x[torch.arange(x.shape[0], device=x.device), node]
@@ -41,7 +47,7 @@ def verify_greedy(tree: BatchTree, logits: torch.Tensor) -> BatchAcceptance:
     equal the target's argmax at their parent; the argmax at the last accepted node is the bonus."""
     b, n = tree.tokens.shape
     idx = torch.arange(n, device=logits.device)
-    preds = logits.argmax(-1)  # [B, N]
+    preds = greedy_tokens(logits)  # [B, N]
     par = tree.parents.clamp(min=0)
     match = tree.valid & (idx > 0) & (tree.tokens == preds.gather(1, par))  # [B, N]
     # The oracle follows the *first* matching child: a later sibling with the same token is never
@@ -160,7 +166,7 @@ def verify(tree: BatchTree, logits: torch.Tensor, sampling: RowSampling, step: t
 def sample_rows(logits: torch.Tensor, sampling: RowSampling, step: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> tokens [B]: argmax for greedy rows, else a draw from the row's distribution
     (used for the first token after the prefill, with the bonus stream of node 0)."""
-    greedy = logits.argmax(-1)
+    greedy = greedy_tokens(logits)
     if sampling.all_greedy:
         return greedy
     u = uniforms(sampling.seed, step, torch.zeros_like(step), BONUS)

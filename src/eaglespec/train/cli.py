@@ -72,15 +72,22 @@ def init_distributed(device: str) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
-def build_samples(engine, args, rank: int):
-    from .data import load_conversations, split_train_val, tokenize_conversation
+def usable_conversations(args, rank: int):
+    """The conversations to train on, or an error saying why there are none (before any work)."""
+    from .data import DataError, load_conversations
 
     report = load_conversations(args.data)
+    if not report.conversations:
+        raise DataError(f"no usable conversation in {args.data or 'the packaged ShareGPT data'} (one needs an "
+                        f"assistant reply to a user turn): {report.summary()}")
     if rank == 0:
         print(report.summary(), file=sys.stderr)
-    convs = report.conversations
-    if args.max_conversations:
-        convs = convs[: args.max_conversations]
+    return report.conversations[: args.max_conversations] if args.max_conversations else report.conversations
+
+
+def build_samples(engine, args, convs, rank: int):
+    from .data import DataError, split_train_val, tokenize_conversation
+
     if args.regenerate:
         from .regenerate import regenerate
 
@@ -89,7 +96,12 @@ def build_samples(engine, args, rank: int):
     hf = engine.tokenizer.hf
     samples = [tokenize_conversation(hf, c, args.max_length) for c in convs]
     samples = [s for s in samples if s.num_loss_tokens > 0 and len(s) > 1]
+    if not samples:
+        raise DataError(f"no conversation has an assistant token within the first --max-length {args.max_length} "
+                        "tokens; raise --max-length")
     split = split_train_val(list(range(len(samples))), args.val_fraction, args.seed)
+    if not split.train:
+        raise DataError(f"--val-fraction {args.val_fraction} leaves no training sample out of {len(samples)}")
     return samples, list(split.train), list(split.val)
 
 
@@ -102,10 +114,11 @@ def cmd_train(args) -> int:
     set_threads()
     rank, world = init_distributed(args.device)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device.startswith("cuda") and world > 1 else args.device
+    convs = usable_conversations(args, rank)  # bad data is refused before the model loads
     engine = EagleSpec.load(args.model, dtype=args.dtype, device=device)
     target = engine.target
     out = Path(args.out)
-    samples, train_ids, val_ids = build_samples(engine, args, rank)
+    samples, train_ids, val_ids = build_samples(engine, args, convs, rank)  # before features/ is written
     n_tok = sum(len(s) for s in samples)
     if rank == 0:
         print(f"{len(samples):,} samples, {n_tok:,} tokens ({sum(s.num_loss_tokens for s in samples):,} assistant); "

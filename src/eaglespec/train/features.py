@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..files import remove_stale_temps
 from ..model import Transformer
 from ..weights import atomic_save_safetensors
 from .data import TokenizedSample
@@ -92,6 +93,7 @@ def dump_features(target: Transformer, samples: list[TokenizedSample], out: Path
                   rank: int = 0, world: int = 1, hidden_layers: tuple[int, ...] = (),
                   progress: bool = True) -> DumpReport:
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out)  # half-written shards of a killed run (other ranks' live ones are locked)
     n_shards = (len(samples) + shard_size - 1) // shard_size
     mine = [i for i in range(n_shards) if i % world == rank]
     todo = [i for i in mine if not shard_path(out, i).is_file()]

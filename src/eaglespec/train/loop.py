@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import pickle
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..draft import DraftHead, save_head
+from ..files import atomic_path, atomic_write_text
 from ..model import Transformer
 from .features import Shard, load_shard
 from .loss import Batch, chain_accuracy, eagle_loss, implied_tau
@@ -119,9 +121,51 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Read a checkpoint as tensors and plain containers only (weights_only=True): a planted file
+    in an output folder must not run code on --resume, as full unpickling would let it."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:  # OSError keeps its own message
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: refused to resume from it: not a checkpoint eaglespec wrote (only tensors and "
+                         f"plain data are loaded; {first}); delete it or use another --out") from None
+    need = {"head", "optimizer", "noise_rng", "torch_rng", "python_rng", "state"}
+    if not isinstance(saved, dict) or not need <= saved.keys():
+        raise ValueError(f"{path}: refused to resume from it: not a checkpoint eaglespec wrote (missing "
+                         f"{sorted(need - set(saved)) if isinstance(saved, dict) else 'everything'})")
+    return saved
+
+
+def python_rng_state() -> dict:
+    """random's state as plain data (a tensor of its 625 words), so checkpoints need no pickle."""
+    version, internal, gauss = random.getstate()
+    return {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
+
+
+def set_python_rng_state(s) -> None:
+    if isinstance(s, (tuple, list)):  # checkpoints written before the dict form: random.getstate() itself
+        random.setstate((s[0], tuple(s[1]), s[2]))
+    else:
+        random.setstate((s["version"], tuple(s["internal"].tolist()), s["gauss"]))
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep log records up to `step`: on resume the later steps are taken again and logged anew."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass  # a line the kill cut off
+    atomic_write_text(path, "".join(keep))
 
 
 @torch.no_grad()
@@ -142,6 +186,8 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
           out: Path, cfg: TrainConfig, resume: bool = False, rank: int = 0, world: int = 1,
           progress: bool = True, head_extra: dict | None = None) -> TrainState:
     """Train `head` in place; checkpoints in out/checkpoint.pt, the final head in out/head/."""
+    if not train_ids:  # refused before anything is written
+        raise ValueError("no training samples (--val-fraction took them all, or the data has none)")
     device = target.device
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -154,15 +200,17 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
     state = TrainState()
     ckpt = out / "checkpoint.pt"
     if resume and ckpt.is_file():
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+        saved = load_checkpoint(ckpt)
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["optimizer"])
         noise_gen.set_state(saved["noise_rng"][rank] if rank < len(saved["noise_rng"]) else saved["noise_rng"][0])
         torch.set_rng_state(saved["torch_rng"])
-        random.setstate(saved["python_rng"])
+        set_python_rng_state(saved["python_rng"])
         state = TrainState(**saved["state"])
         if rank == 0:
             print(f"resumed from {ckpt}: step {state.step}, epoch {state.epoch}, batch {state.batch_in_epoch}")
+    elif resume and rank == 0:
+        print(f"--resume: no checkpoint at {ckpt}; starting from step 0", file=sys.stderr)
     n_batches = len(make_batches(store, train_ids, cfg.batch_tokens, cfg.seed, 0))
     per_epoch = n_batches // world
     if per_epoch == 0:
@@ -170,6 +218,8 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
                          "use more data or a smaller --batch-tokens")
     total = cfg.max_steps or max(1, int(per_epoch * cfg.epochs))
     autocast = cfg.autocast == "on" or (cfg.autocast == "auto" and device.type == "cuda")
+    if rank == 0:  # steps logged after the checkpoint (before a kill) are retaken: log them once
+        truncate_log(out / "log.jsonl", state.step)
     log = open(out / "log.jsonl", "a") if rank == 0 else None
     bar = tqdm(total=total, initial=state.step, desc="train", disable=not progress or rank != 0, dynamic_ncols=True)
     t0, tokens0 = time.perf_counter(), state.tokens_seen
@@ -183,7 +233,7 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
         if rank != 0:
             return
         atomic_torch_save({"head": head.state_dict(), "optimizer": opt.state_dict(), "noise_rng": rngs,
-                           "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                           "torch_rng": torch.get_rng_state(), "python_rng": python_rng_state(),
                            "state": asdict(state), "config": asdict(cfg)}, ckpt)
 
     while state.step < total:
@@ -229,8 +279,8 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
         save_head(head, out / "head", dtype=torch.bfloat16,
                   extra={**(head_extra or {}), "train": {"steps": state.step, "tokens_seen": state.tokens_seen,
                                                          **final}})
-        (out / "metrics.json").write_text(json.dumps({"steps": state.step, "tokens_seen": state.tokens_seen,
-                                                     "seconds": time.perf_counter() - t0, **final}, indent=2))
+        atomic_write_text(out / "metrics.json", json.dumps({"steps": state.step, "tokens_seen": state.tokens_seen,
+                                                            "seconds": time.perf_counter() - t0, **final}, indent=2))
         if log:
             log.close()
     return state
