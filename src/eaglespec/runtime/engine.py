@@ -28,6 +28,7 @@ from ..kv_cache import RowKVCache
 from ..model import Transformer
 from ..spec.propose import Proposer
 from ..spec.sampling import RowSampling
+from ..spec.draft_quant import int8_supported
 from ..spec.graphs import GraphedSteps
 from ..spec.step import RowState, SpecStep, StepTimes, prefill_row
 from .request import GenerationError, GenerationStats, StopChecker, check_request
@@ -237,13 +238,16 @@ class Engine:
 
     def __init__(self, target: Transformer, head: DraftHead | None = None, *, eos_ids: list[int] = (),
                  decode=None, max_batch: int = 8, prefill_chunk: int = 512, fixed_shapes: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, draft_int8: bool | None = None) -> None:
         """fixed_shapes: step every lane with capacity-wide attention views and a power-of-two
         number of rows, so the step's shapes repeat (what CUDA graphs need; on a CPU it only costs).
-        cuda_graphs: capture each lane's step per row bucket and replay it (CUDA only)."""
+        cuda_graphs: capture each lane's step per row bucket and replay it (CUDA only).
+        draft_int8: draft with weight-only int8 products (None: on a CPU that has the kernel); the
+        output is the same either way, only drafting speed and which tokens are proposed change."""
         if cuda_graphs and target.device.type != "cuda":
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         self.fixed_shapes = fixed_shapes or cuda_graphs
+        self.draft_int8 = int8_supported(target.device) if draft_int8 is None else draft_int8
         self.cuda_graphs = cuda_graphs
         self.target, self.head = target, head
         self.eos_ids, self.decode = list(eos_ids), decode
@@ -302,7 +306,7 @@ class Engine:
     def _lane(self, req: Request) -> Lane:
         key = req.lane_key
         if key not in self.lanes:
-            proposer = None if key[0] == "vanilla" else Proposer(self.head, self.target, req.tree)
+            proposer = None if key[0] == "vanilla" else Proposer(self.head, self.target, req.tree, self.draft_int8)
             self.lanes[key] = Lane(self, proposer, self.max_batch)
         return self.lanes[key]
 

@@ -28,6 +28,7 @@ from ..draft import DraftHead
 from ..kv_cache import RowKVCache, row_attention_mask
 from ..model import Transformer
 from ..tree import static_layout
+from .draft_quant import int8_head, int8_linear
 from .tree import BatchTree, ancestors_from_parents
 
 
@@ -61,10 +62,16 @@ class Proposer:
     draft vocabulary and the EAGLE-1 layout's index tensors are prepared once, here.
     """
 
-    def __init__(self, head: DraftHead, target: Transformer, tree_cfg: TreeConfig) -> None:
+    def __init__(self, head: DraftHead, target: Transformer, tree_cfg: TreeConfig, int8: bool = False) -> None:
+        """int8: draft with weight-only int8 products (spec/draft_quant.py; CPU), which changes
+        only which tokens are proposed, never the output."""
         self.head, self.target, self.method = head, target, tree_cfg.method
         # [Vd, H], in the head's dtype: drafting runs in the head's precision whatever the target's LM head is.
         self._lm = head.lm_weight(target.lm_head.weight).to(head.fc.weight.dtype).contiguous()
+        self._lm_head = lambda h: F.linear(h, self._lm)
+        if int8:
+            self.head = int8_head(head)
+            self._lm_head = int8_linear(self._lm)
         vocab = self._lm.shape[0]
         dev = head.fc.weight.device
         if self.method == "eagle2":
@@ -159,7 +166,7 @@ class Proposer:
         """[B, T, H] -> the k best draft tokens per node: (log-probabilities [B, T, k] fp32, target ids).
 
         Log-softmax in fp32 (Drafter._top's): ranking by summed log-probabilities needs the precision."""
-        lp = F.log_softmax(F.linear(hidden, self._lm).float(), dim=-1)
+        lp = F.log_softmax(self._lm_head(hidden).float(), dim=-1)
         v, i = lp.topk(k, dim=-1)
         return v, self.head.to_target_ids(i)
 

@@ -1,0 +1,78 @@
+"""Weight-only int8 drafting: close to the float head, row-invariant, output unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglespec.config import SamplingConfig, TreeConfig
+from eaglespec.draft import init_random_head
+from eaglespec.runtime.engine import Engine, Request
+from eaglespec.spec.draft_quant import Int8Linear, int8_head, int8_linear, int8_supported, quantize_rows_int8
+from spec_helpers import single_thread
+from tiny import tiny_config, tiny_model
+
+pytestmark = pytest.mark.skipif(not int8_supported(torch.device("cpu")), reason="no int8 CPU kernel in this torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_close_and_row_invariant(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 48, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    lin = Int8Linear(w, b)
+    x = torch.randn(3, 7, 48, generator=g).to(dtype)
+    y = lin(x)
+    assert y.shape == (3, 7, 96)
+    ref = F.linear(x.float(), w.float(), b.float())
+    # Per-row int8 rounding: error well under 1% of the output scale.
+    assert (y.float() - ref).abs().max() < 0.02 * ref.abs().max()
+    # A row alone gives the bits it gives in a batch (batch invariance of drafting rests on this).
+    for m in (1, 2, 5):
+        assert torch.equal(lin(x[0, :m]), y[0, :m])
+
+
+def test_widths_the_kernel_cannot_take_stay_float():
+    w = torch.randn(8, 40, dtype=torch.bfloat16)
+    x = torch.randn(2, 40, dtype=torch.bfloat16)
+    assert not isinstance(int8_linear(w), Int8Linear)
+    assert torch.equal(int8_linear(w)(x), F.linear(x, w))
+    assert isinstance(int8_linear(torch.randn(8, 48)), Int8Linear)
+
+
+def test_quantize_rows_round_trip():
+    w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]])
+    q, s = quantize_rows_int8(w)
+    assert q.dtype == torch.int8 and q[0, 1] == -127 and torch.all(q[1] == 0)
+    assert torch.allclose(q.float() * s[:, None], w, atol=1e-2)
+
+
+def test_int8_head_shares_weights_and_leaves_the_head_alone():
+    cfg = tiny_config(vocab=64)
+    head = init_random_head(cfg, seed=3)
+    q = int8_head(head)
+    assert isinstance(q.fc, Int8Linear) and isinstance(q.layer.mlp.w_down, Int8Linear)
+    assert isinstance(head.fc, torch.nn.Linear) and isinstance(head.layer.attn.wqkv, torch.nn.Linear)
+    assert q.fc.weight is head.fc.weight and q.layer.mlp_norm is head.layer.mlp_norm
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+def test_int8_drafting_changes_nothing_but_the_drafts(method):
+    """Greedy output with int8 drafting equals vanilla and the float draft's; seeded sampling
+    stays batch-invariant (covered engine-wide by test_engine.py, which drafts in int8 on a CPU)."""
+    cfg = tiny_config(vocab=96)
+    target = tiny_model(cfg, seed=5)
+    head = init_random_head(cfg, seed=9)
+    tree = TreeConfig(method, total_tokens=12, depth=4, top_k=3)
+    prompts = [[3, 4, 5], list(range(10, 30))]
+    with single_thread():
+        outs = {}
+        for name, m, int8 in (("vanilla", "vanilla", False), ("float", method, False), ("int8", method, True)):
+            eng = Engine(target, head, draft_int8=int8)
+            reqs = eng.run([Request(p, m, tree if m != "vanilla" else None, SamplingConfig(), 30) for p in prompts])
+            outs[name] = [[t for c in r.pending for t in c] for r in reqs]
+            if int8:
+                lane = next(iter(eng.lanes.values()))
+                assert isinstance(lane.proposer.head.fc, Int8Linear)
+    assert outs["int8"] == outs["vanilla"] == outs["float"]
