@@ -172,15 +172,16 @@ class RowKVCache:
 
 def row_attention_mask(committed: torch.Tensor, start: torch.Tensor, ancestors: torch.Tensor,
                        view_len: int) -> torch.Tensor:
-    """The mask of a forward over T new entries per row written at start[b] + 0..T-1.
+    """The mask of a forward over T new entries per row, against a block of W slots at start[b].
 
-    committed [B]: slots [0, committed) are visible to every new entry; start [B]; ancestors
-    [B, T, T] bool: new entry i sees new entry j iff ancestors[b, i, j] (a causal block for a
-    chain, the tree's ancestor mask for a tree). Returns [B, T, view_len] bool.
+    committed [B]: slots [0, committed) are visible to every new entry. ancestors [B, T, W] bool:
+    new entry i sees block slot start[b] + j iff ancestors[b, i, j]. The target's tree forward
+    writes its T nodes as the block (W = T: a causal block for a chain, the ancestor mask for a
+    tree); drafting passes its scratch slots (W = scratch). Returns [B, T, view_len] bool.
     """
-    b, t, _ = ancestors.shape
+    b, t, w = ancestors.shape
     cols = torch.arange(view_len, device=ancestors.device)[None]  # [1, S]
-    rel = cols - start[:, None]  # [B, S] offset into the new block
-    in_block = (rel >= 0) & (rel < t)
-    picked = torch.gather(ancestors, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, view_len))
+    rel = cols - start[:, None]  # [B, S] offset into the block
+    in_block = (rel >= 0) & (rel < w)
+    picked = torch.gather(ancestors, 2, rel.clamp(0, w - 1)[:, None, :].expand(b, t, view_len))
     return (cols < committed[:, None])[:, None, :] | (in_block[:, None, :] & picked)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import SamplingConfig, TreeConfig
+from ..runtime.request import tau
 
 METHODS = ("vanilla", "eagle", "eagle2", "hf", "hf-pld", "llamacpp")
 CHAIN = "eagle-chain"
@@ -39,8 +40,8 @@ class MethodOutput:
 
     @property
     def tau(self) -> float:
-        """Mean new tokens per target forward after the prefill (whose one token is not a step)."""
-        return (len(self.token_ids) - 1) / self.steps if self.steps else 1.0
+        """runtime.request.tau over the method's target forwards (1.0 for a one-token answer)."""
+        return tau(len(self.token_ids), self.steps) if self.steps else 1.0
 
 
 class Method:

@@ -9,6 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def tau(new_tokens: int, steps: int) -> float:
+    """Acceptance length: new tokens per draft-verify step, bonus included (vanilla: 1.00). The
+    first token comes from the prefill and is not part of any step. 0.0 before any step."""
+    return (new_tokens - 1) / steps if steps else 0.0
+
+
 class GenerationError(ValueError):
     """A request that cannot run (too long for the context, bad limits)."""
 
@@ -28,9 +34,8 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per draft-verify step, bonus included (vanilla: 1.00). The first token,
-        which comes from the prefill, is not part of any step."""
-        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+        """See `tau` (accept_lengths hold each step's emitted tokens, so they sum to new_tokens - 1)."""
+        return tau(1 + sum(self.accept_lengths), len(self.accept_lengths))
 
     @property
     def tokens_per_s(self) -> float:

@@ -32,17 +32,6 @@ from .draft_quant import int8_head, int8_linear
 from .tree import BatchTree, ancestors_from_parents
 
 
-def scratch_mask(committed: torch.Tensor, anc: torch.Tensor, view_len: int) -> torch.Tensor:
-    """committed [B]; anc [B, T, S] bool: new entry i sees scratch slot committed + s iff anc[b, i, s].
-
-    -> [B, T, view_len] bool: every committed slot, plus the scratch slots anc selects."""
-    b, t, s = anc.shape
-    rel = torch.arange(view_len, device=anc.device)[None] - committed[:, None]  # [B, V] offset past committed
-    picked = torch.gather(anc, 2, rel.clamp(0, s - 1)[:, None].expand(b, t, view_len))  # [B, T, V]
-    in_scratch = ((rel >= 0) & (rel < s))[:, None]
-    return (rel < 0)[:, None] | (in_scratch & picked)
-
-
 @dataclass
 class _Level:
     """One depth d >= 1 of an EAGLE-1 layout (L nodes, R of them with children), as index tensors."""
@@ -181,7 +170,7 @@ class Proposer:
         pos = (committed + depth - 1)[:, None].expand(b, t)
         cache.prepare(slots, view_len)
         return self.head(self.target.embed(tokens), parent_hidden, pos, cache,
-                         scratch_mask(committed, anc, view_len))  # [B, T, H]
+                         row_attention_mask(committed, committed, anc, view_len))  # [B, T, H]
 
     def _static(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor,
                 view_len: int) -> torch.Tensor:
