@@ -2,7 +2,10 @@
 (generate.generate_tokens + draft.Drafter + verify.py, the code the step replaced) against the
 engine, on the same prompts, interleaved prompt by prompt. Prints numbers, asserts nothing.
 
-  python scripts/bench_step_ab.py --questions 8 --max-new-tokens 96
+  python scripts/bench_step_ab.py --questions 8 --max-new-tokens 96 --before-tree 16,5,4 --after-tree 8,3,4
+
+--before-tree / --after-tree: eagle2's total_tokens,depth,top_k for each side (default: the
+previous default tree, 16,5,4, before; today's default after).
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--data", default=str(MT_BENCH))
+    d = TreeConfig()
+    ap.add_argument("--before-tree", default="16,5,4", help="total_tokens,depth,top_k of the reference loop")
+    ap.add_argument("--after-tree", default=f"{d.total_tokens},{d.depth},{d.top_k}", help="... of the engine")
     args = ap.parse_args()
+    before_tree = TreeConfig("eagle2", *map(int, args.before_tree.split(",")))
+    after_tree = TreeConfig("eagle2", *map(int, args.after_tree.split(",")))
     torch.set_num_threads(os.cpu_count() or 1)
     e = EagleSpec.load(dtype=args.dtype, draft="default")
     eos = e.tokenizer.eos_token_ids
@@ -42,14 +50,14 @@ def main() -> None:
 
     def old(ids, method):
         st = GenerationStats()
-        tree = TreeConfig("eagle2") if method == "eagle2" else None
+        tree = before_tree if method == "eagle2" else None
         toks = [t for c in generate_tokens(e.target, ids, drafter=drafter if tree else None, tree=tree,
                                            max_new_tokens=args.max_new_tokens, eos_ids=eos, stats=st) for t in c]
         return toks, st
 
     def new(engine):
         def run(ids, method):
-            r = Request(ids, method, TreeConfig("eagle2") if method == "eagle2" else None,
+            r = Request(ids, method, after_tree if method == "eagle2" else None,
                         max_new_tokens=args.max_new_tokens)
             engine.run([r])
             return [t for c in r.pending for t in c], r.stats
@@ -72,8 +80,8 @@ def main() -> None:
             a[3] += st.draft_s
             a[4] += st.verify_s
     print(f"{e.source.name} {e.target.dtype}, head {e.head_name}, {len(prompts)} MT-bench first turns, "
-          f"{args.max_new_tokens} new tokens, eagle2 tree total_tokens {TreeConfig().total_tokens}, depth "
-          f"{TreeConfig().depth}, top_k {TreeConfig().top_k}")
+          f"{args.max_new_tokens} new tokens; eagle2 tree (total_tokens,depth,top_k) before {args.before_tree}, "
+          f"after {args.after_tree}")
     print("| code | method | tokens/s | speedup over its vanilla | tau | draft ms/step | verify ms/step |")
     print("|---|---|---|---|---|---|---|")
     for label in dict.fromkeys(a for a, _, _ in arms):

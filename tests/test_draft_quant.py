@@ -13,7 +13,7 @@ from eaglespec.spec.draft_quant import Int8Linear, int8_head, int8_linear, int8_
 from spec_helpers import single_thread
 from tiny import tiny_config, tiny_model
 
-pytestmark = pytest.mark.skipif(not int8_supported(torch.device("cpu")), reason="no int8 CPU kernel in this torch")
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_weight_int8pack_mm"), reason="no int8 CPU kernel in this torch")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,8 +59,7 @@ def test_int8_head_shares_weights_and_leaves_the_head_alone():
 
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
 def test_int8_drafting_changes_nothing_but_the_drafts(method):
-    """Greedy output with int8 drafting equals vanilla and the float draft's; seeded sampling
-    stays batch-invariant (covered engine-wide by test_engine.py, which drafts in int8 on a CPU)."""
+    """Greedy output with int8 drafting equals vanilla and the float draft's."""
     cfg = tiny_config(vocab=96)
     target = tiny_model(cfg, seed=5)
     head = init_random_head(cfg, seed=9)
@@ -76,3 +75,26 @@ def test_int8_drafting_changes_nothing_but_the_drafts(method):
                 lane = next(iter(eng.lanes.values()))
                 assert isinstance(lane.proposer.head.fc, Int8Linear)
     assert outs["int8"] == outs["vanilla"] == outs["float"]
+
+
+def test_int8_drafting_keeps_seeded_sampling_batch_invariant():
+    """A sampled request drafts the same trees alone and in a batch (the kernel is row-invariant),
+    so its seeded output does not depend on its neighbours."""
+    cfg = tiny_config(vocab=96)
+    target = tiny_model(cfg, seed=5)
+    head = init_random_head(cfg, seed=9)
+    tree = TreeConfig("eagle2", total_tokens=12, depth=4, top_k=3)
+    prompts = [[3, 4, 5], list(range(10, 30)), [7, 7], [1, 50, 2, 60]]
+
+    def job(i):
+        return Request(prompts[i], "eagle2", tree, SamplingConfig(0.9, seed=i), 20 + 3 * i)
+
+    with single_thread():
+        alone = [Engine(target, head, draft_int8=True).run([job(i)])[0] for i in range(4)]
+        together = Engine(target, head, draft_int8=True, max_batch=4).run([job(i) for i in range(4)])
+    assert [r.pending for r in together] == [r.pending for r in alone]
+
+
+def test_auto_int8_only_for_bf16_heads_on_cpu():
+    assert int8_supported(torch.device("cpu"), torch.bfloat16)
+    assert not int8_supported(torch.device("cpu"), torch.float32)

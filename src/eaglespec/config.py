@@ -191,12 +191,14 @@ class TreeConfig:
 
     CPU defaults: verifying an extra token costs far more on a CPU than on a GPU (the target
     forward is compute-bound at a few dozen tokens, see README "forward-cost curve"), so the
-    dynamic tree is much smaller than the GPU default of 60 tokens.
+    dynamic tree is much smaller than the GPU default of 60 tokens. 8 nodes at depth 3 measured
+    fastest with the shipped head (README, "Tree defaults"): its acceptance beyond depth 2 is low,
+    so deeper drafting and more verified nodes cost more than they return.
     """
 
     method: str = "eagle2"
-    total_tokens: int = 16  # tree size including the root (eagle2)
-    depth: int = 5  # drafting depth (eagle2)
+    total_tokens: int = 8  # tree size including the root (eagle2)
+    depth: int = 3  # drafting depth (eagle2)
     top_k: int = 4  # children per expanded node and frontier width (eagle2)
     choices: list[list[int]] = field(default_factory=lambda: [list(c) for c in EAGLE1_CHOICES])
 

@@ -242,12 +242,12 @@ class Engine:
         """fixed_shapes: step every lane with capacity-wide attention views and a power-of-two
         number of rows, so the step's shapes repeat (what CUDA graphs need; on a CPU it only costs).
         cuda_graphs: capture each lane's step per row bucket and replay it (CUDA only).
-        draft_int8: draft with weight-only int8 products (None: on a CPU that has the kernel); the
+        draft_int8: draft with weight-only int8 products (None: on a CPU with a bf16 head); the
         output is the same either way, only drafting speed and which tokens are proposed change."""
         if cuda_graphs and target.device.type != "cuda":
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         self.fixed_shapes = fixed_shapes or cuda_graphs
-        self.draft_int8 = int8_supported(target.device) if draft_int8 is None else draft_int8
+        self.draft_int8 = draft_int8  # None: decided per head (int8_supported)
         self.cuda_graphs = cuda_graphs
         self.target, self.head = target, head
         self.eos_ids, self.decode = list(eos_ids), decode
@@ -306,7 +306,12 @@ class Engine:
     def _lane(self, req: Request) -> Lane:
         key = req.lane_key
         if key not in self.lanes:
-            proposer = None if key[0] == "vanilla" else Proposer(self.head, self.target, req.tree, self.draft_int8)
+            proposer = None
+            if key[0] != "vanilla":
+                int8 = self.draft_int8
+                if int8 is None:
+                    int8 = int8_supported(self.device, self.head.fc.weight.dtype)
+                proposer = Proposer(self.head, self.target, req.tree, int8)
             self.lanes[key] = Lane(self, proposer, self.max_batch)
         return self.lanes[key]
 

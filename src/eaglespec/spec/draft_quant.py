@@ -82,5 +82,7 @@ def int8_head(head: DraftHead) -> DraftHead:
     return out
 
 
-def int8_supported(device: torch.device) -> bool:
-    return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
+def int8_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Where int8 drafting pays: a CPU with a bf16 head. With fp32 activations torch's kernel is
+    several times slower than the float product (measured: 15.5 vs 3.2 ms, 4 x 576 by 8,192)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and hasattr(torch, "_weight_int8pack_mm")

@@ -1,0 +1,60 @@
+"""eagle2 tree settings against vanilla, interleaved prompt by prompt in one process (the engine,
+the shipped head). Prints numbers, asserts nothing.
+
+  python scripts/tree_sweep.py --data ../shared/data/mt_bench/question.jsonl --skip 10 --prompts 20 \\
+      --trees 16,5,4 16,4,4 12,4,4 8,3,4 12,3,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from eaglespec.api import EagleSpec
+from eaglespec.config import TreeConfig
+from eaglespec.runtime.engine import Request
+
+
+def first_turn(record: dict) -> str:
+    return record["turns"][0] if "turns" in record else record["question"]  # MT-bench or GSM8K
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True, help="MT-bench or GSM8K jsonl")
+    ap.add_argument("--skip", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--trees", nargs="+", default=["16,5,4", "12,4,4", "8,3,4"], help="total_tokens,depth,top_k")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    e = EagleSpec.load(dtype=args.dtype, draft="default")
+    lines = [x for x in Path(args.data).read_text().splitlines() if x.strip()]
+    prompts = [e.encode(first_turn(json.loads(x)))[1] for x in lines[args.skip: args.skip + args.prompts]]
+    arms = [None] + [TreeConfig("eagle2", *map(int, t.split(","))) for t in args.trees]
+    acc = [[0, 0.0, 0] for _ in arms]
+    for j, ids in enumerate(prompts):
+        order = list(enumerate(arms))
+        for i, tree in order[j % len(arms):] + order[: j % len(arms)]:  # rotate to spread drift
+            r = Request(ids, "vanilla" if tree is None else "eagle2", tree, max_new_tokens=args.max_new_tokens)
+            t0 = time.perf_counter()
+            e.engine.run([r])
+            acc[i][0] += sum(len(c) for c in r.pending)
+            acc[i][1] += time.perf_counter() - t0
+            acc[i][2] += r.stats.steps
+    base = acc[0][0] / acc[0][1]
+    print(f"{e.target.dtype}, {len(prompts)} prompts of {args.data}, {args.max_new_tokens} new tokens")
+    print("| tree (total, depth, top-k) | tokens/s | speedup | tau |\n|---|---|---|---|")
+    for tree, (n, wall, steps) in zip(arms, acc):
+        name = "vanilla" if tree is None else f"{tree.total_tokens}, {tree.depth}, {tree.top_k}"
+        print(f"| {name} | {n / wall:.1f} | {n / wall / base:.3f}x | {(n - len(prompts)) / max(1, steps):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
