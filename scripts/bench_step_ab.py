@@ -60,7 +60,7 @@ def main() -> None:
             r = Request(ids, method, after_tree if method == "eagle2" else None,
                         max_new_tokens=args.max_new_tokens)
             engine.run([r])
-            return [t for c in r.pending for t in c], r.stats
+            return r.pending_tokens, r.stats
         return run
 
     arms = [("before", "vanilla", old), ("before", "eagle2", old)]

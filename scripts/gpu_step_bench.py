@@ -52,12 +52,12 @@ def per_token_ms(engine: Engine, prompt: list[int], method: str, tree, new_token
         engine.step()
     sync(device)
     t0 = time.perf_counter()
-    done_before = sum(len(c) for c in req.pending)
+    done_before = len(req.pending_tokens)
     while not req.done:
         engine.step()
     sync(device)
     wall = time.perf_counter() - t0
-    toks = [t for c in req.pending for t in c]
+    toks = req.pending_tokens
     made = len(toks) - done_before
     steps = req.stats.steps - 5
     return 1e3 * wall / max(1, made), made / max(1, steps), toks
@@ -104,12 +104,12 @@ def main() -> None:
     head = init_random_head(small.config, seed=1, device=dev)
     prompts = [[(7 * i + j) % small.config.vocab_size for j in range(5 + 9 * i)] for i in range(6)]
     ref = Engine(small, head).run([Request(p, "vanilla", None, SamplingConfig(), 48) for p in prompts])
-    ref_tokens = [[t for c in r.pending for t in c] for r in ref]
+    ref_tokens = [r.pending_tokens for r in ref]
     for method in ("eagle2", "eagle"):
         for graphs in ([False, True] if cuda else [False]):
             eng = Engine(small, head, cuda_graphs=graphs, fixed_shapes=True, max_batch=4)
             got = eng.run([Request(p, method, TreeConfig(method), SamplingConfig(), 48) for p in prompts])
-            same = sum([t for c in r.pending for t in c] == want for r, want in zip(got, ref_tokens))
+            same = sum(r.pending_tokens == want for r, want in zip(got, ref_tokens))
             lines.append(f"- fp32 greedy {method}, batch 4, graphs {graphs}: {same}/{len(prompts)} identical to vanilla")
 
     # 2. speed: Llama-2-7B-shaped bf16 target, random head.

@@ -45,7 +45,7 @@ def main() -> None:
             r = Request(ids, "vanilla" if tree is None else "eagle2", tree, max_new_tokens=args.max_new_tokens)
             t0 = time.perf_counter()
             e.engine.run([r])
-            acc[i][0] += sum(len(c) for c in r.pending)
+            acc[i][0] += len(r.pending_tokens)
             acc[i][1] += time.perf_counter() - t0
             acc[i][2] += r.stats.steps
     base = acc[0][0] / acc[0][1]

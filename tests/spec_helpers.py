@@ -16,6 +16,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from eaglespec import generate as generate_mod
@@ -205,6 +206,60 @@ def exact_sequence_probs(target: Transformer, prompt: list[int], cfg: SamplingCo
                 new[s + (tok,)] = probs[s] * float(row[tok])
         probs = new
     return probs
+
+
+# --- shared fixtures of the verification and engine tests ---------------------------------------
+def fixed_setup(cfg: SamplingConfig, vocab: int):
+    """A branching tree whose drafted tokens are likely under the node's target distribution
+    (so acceptances and rejections both happen often), with fixed logits [7, vocab] per node.
+
+        0 ─┬─ 1 ─┬─ 4 ── 6
+           │     └─ 5
+           ├─ 2
+           └─ 3
+    """
+    g = torch.Generator().manual_seed(1234)
+    logits = torch.randn(7, vocab, generator=g) * 1.5
+    probs = probabilities(logits, cfg)
+    order = [torch.argsort(probs[i], descending=True).tolist() for i in range(7)]
+    # Children: ranks (1, 0, 4) under the root, (0, 2) under node 1, 0 under node 4.
+    tokens = [0, order[0][1], order[0][0], order[0][4], order[1][0], order[1][2], order[4][0]]
+    return Tree.from_parents(tokens, [-1, 0, 0, 0, 1, 1, 4]), logits, probs
+
+
+def check_stats(stats: GenerationStats, tokens: list[int], max_depth: int | None = None) -> None:
+    """A run's statistics agree with its tokens (and with a tree of depth `max_depth`)."""
+    assert stats.new_tokens == len(tokens)
+    assert sum(stats.accept_lengths) + 1 == len(tokens)  # the first token comes from the prefill
+    assert stats.steps == len(stats.accept_lengths) == len(stats.tree_sizes)
+    if stats.accept_lengths:
+        assert stats.tau == pytest.approx(sum(stats.accept_lengths) / len(stats.accept_lengths))
+    else:
+        assert stats.tau == 0.0
+    assert all(a >= 1 for a in stats.accept_lengths)
+    if max_depth is not None:
+        assert all(a <= max_depth + 1 for a in stats.accept_lengths)
+    # accepted_per_depth[d] counts steps that accepted a depth-(d+1) draft: non-increasing.
+    apd = stats.accepted_per_depth
+    assert all(apd[i] >= apd[i + 1] for i in range(len(apd) - 1))
+
+
+class SyncCounter:
+    """Counts host round trips: calls of the Tensor methods that copy a value to the host (each
+    one a device sync on CUDA), patched with monkeypatch until it undoes them."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+
+    def _wrap(self, name, orig):
+        def counted(t, *a, **kw):
+            self.calls.append(name)
+            return orig(t, *a, **kw)
+        return counted
 
 
 # --- statistics --------------------------------------------------------------------------------
@@ -472,4 +527,4 @@ class RecordingEngine(Engine):
 
 def engine_tokens(req: Request) -> list[int]:
     """A request's output so far (Engine.run leaves every chunk pending)."""
-    return [t for chunk in req.pending for t in chunk]
+    return req.pending_tokens

@@ -24,7 +24,7 @@ from eaglespec.spec.sampling import RowSampling
 from eaglespec.spec.tree import BatchTree
 from eaglespec.tree import Tree
 
-from spec_helpers import chi_square_pvalue, single_thread
+from spec_helpers import SyncCounter, chi_square_pvalue, fixed_setup, single_thread
 
 PASS_P = 1e-3  # a correct rule must not be rejected at this level (seeds are fixed)
 FAIL_P = 1e-6  # a wrong rule must be rejected at this level
@@ -163,23 +163,6 @@ def test_batch_invariance(with_q):
 N_DRAWS = 20_000
 
 
-def fixed_setup(cfg: SamplingConfig):
-    """A branching tree whose drafts are likely under the target (so accepts and rejects are both
-    common), fixed logits per node.
-
-        0 ─┬─ 1 ─┬─ 4 ── 6
-           │     └─ 5
-           ├─ 2
-           └─ 3
-    """
-    g = torch.Generator().manual_seed(1234)
-    logits = torch.randn(7, V, generator=g) * 1.5
-    probs = probabilities(logits, cfg)
-    order = [torch.argsort(probs[i], descending=True).tolist() for i in range(7)]
-    tokens = [0, order[0][1], order[0][0], order[0][4], order[1][0], order[1][2], order[4][0]]
-    return Tree.from_parents(tokens, [-1, 0, 0, 0, 1, 1, 4]), logits, probs
-
-
 def emission_probs(tree: Tree, probs: torch.Tensor) -> dict[tuple, float]:
     """Exact P(emitted tokens = s) under lossless verification: each token follows its node's
     target distribution; emission continues below the (first) child carrying that token."""
@@ -204,7 +187,7 @@ def emitted_counts(acc) -> Counter:
 
 
 def q1_counts(cfg: SamplingConfig, seed: int = 3) -> tuple[Counter, dict]:
-    tree, logits, probs = fixed_setup(cfg)
+    tree, logits, probs = fixed_setup(cfg, V)
     sampling = RowSampling.from_configs([replace(cfg, seed=seed)] * N_DRAWS)
     batch = BatchTree.from_trees([tree] * N_DRAWS)
     acc = bv.verify_sampling(batch, logits.expand(N_DRAWS, -1, -1), sampling, torch.arange(N_DRAWS))
@@ -220,7 +203,7 @@ def test_q1_rule_lossless(cfg):
     first = Counter()
     for s, c in counts.items():
         first[s[0]] += c
-    p0 = probabilities(fixed_setup(cfg)[1][0], cfg).double()
+    p0 = probabilities(fixed_setup(cfg, V)[1][0], cfg).double()
     assert chi_square_pvalue(first, {x: float(p0[x]) for x in range(V) if p0[x] > 0})[0] > PASS_P
 
 
@@ -295,27 +278,19 @@ def test_pq_statistic_has_power(monkeypatch, attr, wrong):
 
 
 # --- no host synchronisation -------------------------------------------------------------------
-SYNCS = ["item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"]
-
-
 def test_no_host_sync(monkeypatch):
     _, tree_q, logits_q, _, sampling_q, step_q = random_batch(9, with_q=True)
     _, tree, logits, _, sampling, step = random_batch(11, greedy_share=0.5)
     assert sampling.any_greedy and not sampling.all_greedy and sampling.any_top_k and sampling.any_top_p
     assert tree.max_depth >= 3 and tree_q.max_depth >= 3
-    calls = Counter()
-    for name in SYNCS:
-        def counted(self, *a, _name=name, _orig=getattr(torch.Tensor, name), **kw):
-            calls[_name] += 1
-            return _orig(self, *a, **kw)
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    counter = SyncCounter(monkeypatch)
     bv.verify_greedy(tree, logits)
     bv.verify_sampling(tree, logits, sampling, step)
     bv.verify_sampling(tree_q, logits_q, sampling_q, step_q, max_children=3)
     bv.verify(tree, logits, sampling, step)
     bv.sample_rows(logits[:, 0], sampling, step)
     monkeypatch.undo()
-    assert not calls, calls
+    assert not counter.calls, counter.calls
     assert bool(torch.tensor(True))  # the probe itself works: undo restored the originals
 
 

@@ -11,12 +11,10 @@ import pytest
 import torch
 
 from eaglespec.config import SamplingConfig, TreeConfig
-from eaglespec.draft import init_random_head
 from eaglespec.runtime.engine import Engine, Request
 from eaglespec.runtime.request import GenerationError
 from eaglespec.spec.sampling import RowSampling
-from eaglespec.spec.step import SpecStep
-from spec_helpers import run_generate, sharp_random_head, single_thread
+from spec_helpers import SyncCounter, run_generate, sharp_random_head, single_thread
 from tiny import tiny_config, tiny_model
 
 PROMPTS = [[3], [10, 20, 30, 40, 50, 60, 70], [5, 6, 7], list(range(1, 40)), [90, 1, 90, 1]]
@@ -33,11 +31,7 @@ def models():
 def alone(target, head, prompt, method, **kw) -> list[int]:
     engine = Engine(target, head, eos_ids=target.config.eos_token_ids)
     (req,) = engine.run([Request(prompt, method, TREES[method], **kw)])
-    return [t for chunk in req.pending for t in chunk]
-
-
-def tokens_of(req: Request) -> list[int]:
-    return [t for chunk in req.pending for t in chunk]
+    return req.pending_tokens
 
 
 @pytest.mark.parametrize("method", ["vanilla", "eagle", "eagle2"])
@@ -70,10 +64,9 @@ def test_batch_invariance(models, method, temperature):
             engine.step()
         for r in reqs[2:]:
             engine.submit(r)  # the fifth waits for a free row
-        engine.run([])
         while not all(r.done for r in reqs):
             engine.step()
-    assert [tokens_of(r) for r in reqs] == solo
+    assert [r.pending_tokens for r in reqs] == solo
 
 
 def test_mixed_lanes_and_sampling_rows(models):
@@ -86,7 +79,7 @@ def test_mixed_lanes_and_sampling_rows(models):
         engine = Engine(target, head, eos_ids=[7])
         reqs = engine.run([Request(PROMPTS[i], m, TREES[m], SamplingConfig(t, seed=i), 20)
                            for i, (m, t) in enumerate(specs)])
-    assert [tokens_of(r) for r in reqs] == solo
+    assert [r.pending_tokens for r in reqs] == solo
 
 
 @pytest.mark.parametrize("n_streams", [2, 8])
@@ -143,7 +136,7 @@ def test_closing_a_stream_frees_its_row(models):
     assert lane.active == []
     # The row is reusable and the next request is unaffected.
     (req,) = engine.run([Request(PROMPTS[0], "eagle2", TREES["eagle2"], max_new_tokens=10)])
-    assert tokens_of(req) == alone(target, head, PROMPTS[0], "eagle2", max_new_tokens=10)
+    assert req.pending_tokens == alone(target, head, PROMPTS[0], "eagle2", max_new_tokens=10)
 
 
 def test_bad_requests_fail_in_the_caller(models):
@@ -163,26 +156,9 @@ def test_until_the_window_is_full(models):
         ref = run_generate(target, [1, 2, 3], max_new_tokens=None)
         engine = Engine(target, head)
         (req,) = engine.run([Request([1, 2, 3], "eagle2", TREES["eagle2"], max_new_tokens=None)])
-    assert tokens_of(req) == ref.tokens
+    assert req.pending_tokens == ref.tokens
     assert req.stats.stop_reason == "context_full" == ref.stats.stop_reason
-    assert len(tokens_of(req)) == target.config.max_position_embeddings - 3
-
-
-class SyncCounter:
-    """Counts host round trips: patched Tensor methods that read device data back."""
-
-    NAMES = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__", "numpy")
-
-    def __init__(self, monkeypatch) -> None:
-        self.calls: list[str] = []
-        for name in self.NAMES:
-            real = getattr(torch.Tensor, name)
-
-            def spy(t, *a, _real=real, _name=name, **kw):
-                self.calls.append(_name)
-                return _real(t, *a, **kw)
-
-            monkeypatch.setattr(torch.Tensor, name, spy)
+    assert len(req.pending_tokens) == target.config.max_position_embeddings - 3
 
 
 @pytest.mark.parametrize("method", ["vanilla", "eagle", "eagle2"])
@@ -215,8 +191,8 @@ def test_fixed_shapes_give_the_same_tokens(models, method):
 
         exact = Engine(target, head, eos_ids=[7]).run(jobs())
         fixed = Engine(target, head, eos_ids=[7], fixed_shapes=True).run(jobs())
-    assert [tokens_of(r) for r in fixed] == [tokens_of(r) for r in exact]
-    assert all(len(tokens_of(r)) == 15 + i for i, r in enumerate(exact))
+    assert [r.pending_tokens for r in fixed] == [r.pending_tokens for r in exact]
+    assert all(len(r.pending_tokens) == 15 + i for i, r in enumerate(exact))
 
 
 def test_fixed_shape_steps_repeat_the_same_ops(models):

@@ -38,7 +38,7 @@ from eaglespec.spec.rng import BONUS, draw, uniforms
 from eaglespec.spec.sampling import row_probabilities
 from eaglespec.spec.tree import acceptance_from_path
 
-from spec_helpers import (OracleProposer, RecordingEngine, chi_square_pvalue, engine_tokens,
+from spec_helpers import (OracleProposer, RecordingEngine, check_stats, chi_square_pvalue, engine_tokens,
                           exact_sequence_probs, run_generate, sharp_random_head, single_thread)
 from tiny import tiny_config, tiny_model
 
@@ -64,22 +64,6 @@ def oracle_engine(target, seed: int = 0, p_oracle: float = 0.5, noise: float = 0
                   **kw) -> RecordingEngine:
     head = sharp_random_head(target.config, seed=seed + 1)
     return RecordingEngine(target, head, proposer=oracle(seed, p_oracle, noise, memo), **kw)
-
-
-def check_stats(req: Request, tokens: list[int], max_depth: int | None = None) -> None:
-    s = req.stats
-    assert s.new_tokens == len(tokens)
-    assert sum(s.accept_lengths) + 1 == len(tokens)  # the first token comes from the prefill
-    assert s.steps == len(s.accept_lengths) == len(s.tree_sizes)
-    if s.accept_lengths:
-        assert s.tau == pytest.approx(sum(s.accept_lengths) / len(s.accept_lengths))
-    else:
-        assert s.tau == 0.0
-    assert all(a >= 1 for a in s.accept_lengths)
-    if max_depth is not None:
-        assert all(a <= max_depth + 1 for a in s.accept_lengths)
-    apd = s.accepted_per_depth  # [d]: steps that accepted a depth-(d+1) draft: non-increasing
-    assert all(apd[i] >= apd[i + 1] for i in range(len(apd) - 1))
 
 
 def cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
@@ -150,7 +134,7 @@ def run_case(c: dict, seen: Counter) -> None:
         got = engine_tokens(req)
         assert got == van.tokens, c
         assert req.stats.stop_reason == van.stats.stop_reason, c
-        check_stats(req, got, max_depth)
+        check_stats(req.stats, got, max_depth)
         if req.max_new_tokens is None:
             assert req.stats.stop_reason in ("context_full", "eos")
             if req.stats.stop_reason == "context_full":
@@ -236,7 +220,7 @@ def test_greedy_lossless_random_head(target96, method):
         reqs = engine.run([Request(p, method, tree, max_new_tokens=m) for p, m in zip(PROMPTS, budgets)])
     for req, ref in zip(reqs, refs):
         assert engine_tokens(req) == ref.tokens
-        check_stats(req, ref.tokens)
+        check_stats(req.stats, ref.tokens)
         assert req.stats.stop_reason == "max_new_tokens"
 
 
@@ -330,7 +314,7 @@ def test_near_the_window_equals_vanilla():
             for req, ref in zip(reqs, refs):
                 assert engine_tokens(req) == ref.tokens, (name, len(req.prompt_ids))
                 assert req.stats.stop_reason == ref.stats.stop_reason, name
-                check_stats(req, ref.tokens)
+                check_stats(req.stats, ref.tokens)
             assert all(r.t_len + r.count <= WINDOW for r in lane.log), name
             assert all(r.valid == min(lane.step_fn.budget, WINDOW - r.t_len) for r in lane.log), name
             assert any(r.valid < lane.step_fn.budget for r in lane.log), name  # some trees were cut

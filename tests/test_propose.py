@@ -15,7 +15,7 @@ from eaglespec.draft import Drafter
 from eaglespec.kv_cache import RowKVCache
 from eaglespec.spec.propose import Proposer
 
-from spec_helpers import sharp_random_head, single_thread
+from spec_helpers import SyncCounter, sharp_random_head, single_thread
 from tiny import tiny_config, tiny_model
 
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [70], [12, 2, 33, 4], [1, 94, 50, 50, 8, 23, 77, 31, 6, 40, 11]]
@@ -216,24 +216,6 @@ def test_prefill_in_chunks_matches_one_commit(models):
     assert chunked.lengths.tolist() == [11]
     torch.testing.assert_close(h, h_one, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked.k[:, :, :, :11], one.k[:, :, :, :11], rtol=1e-5, atol=1e-5)
-
-
-class SyncCounter:
-    """Counts the Tensor methods that copy a value to the host (each one a device sync on CUDA)."""
-
-    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-    def __init__(self, monkeypatch) -> None:
-        self.calls: list[str] = []
-        for name in self.NAMES:
-            orig = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, orig))
-
-    def _wrap(self, name, orig):
-        def counted(t, *a, **kw):
-            self.calls.append(name)
-            return orig(t, *a, **kw)
-        return counted
 
 
 @pytest.mark.parametrize("method", ["eagle2", "eagle"])

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from eaglespec import generate as generate_mod
 from eaglespec.config import EAGLE1_CHOICES, TreeConfig
 from eaglespec.draft import Drafter, init_random_head
-from eaglespec.generate import GenerationError, GenerationStats, generate_tokens
+from eaglespec.generate import GenerationError, generate_tokens
 from eaglespec.tree import static_layout
 
-from spec_helpers import VerifyRecorder, oracle_drafter, run_generate, single_thread
+from spec_helpers import VerifyRecorder, check_stats, oracle_drafter, run_generate, single_thread
 from tiny import tiny_config, tiny_model
 
 CHOICE_SETS = {
@@ -36,20 +36,6 @@ def cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
     if eos is None or eos not in tokens:
         return tokens
     return tokens[: tokens.index(eos) + 1]
-
-
-def check_stats(stats: GenerationStats, tokens: list[int]) -> None:
-    assert stats.new_tokens == len(tokens)
-    assert sum(stats.accept_lengths) + 1 == len(tokens)  # the first token comes from the prefill
-    assert stats.steps == len(stats.accept_lengths) == len(stats.tree_sizes)
-    if stats.accept_lengths:
-        assert stats.tau == pytest.approx(sum(stats.accept_lengths) / len(stats.accept_lengths))
-    else:
-        assert stats.tau == 0.0
-    assert all(a >= 1 for a in stats.accept_lengths)
-    # accepted_per_depth[d] counts steps that accepted a depth-(d+1) draft: non-increasing.
-    apd = stats.accepted_per_depth
-    assert all(apd[i] >= apd[i + 1] for i in range(len(apd) - 1))
 
 
 # --- (a) fuzzed on tiny random models -----------------------------------------------------------

@@ -19,7 +19,7 @@ from eaglespec.sampling import probabilities
 from eaglespec.tree import Tree
 from eaglespec.verify import Acceptance, verify, verify_greedy, verify_sampling
 
-from spec_helpers import (chi_square_pvalue, exact_sequence_probs, oracle_drafter, run_generate,
+from spec_helpers import (chi_square_pvalue, exact_sequence_probs, fixed_setup, oracle_drafter, run_generate,
                           single_thread)
 from tiny import tiny_config, tiny_model
 
@@ -108,25 +108,6 @@ def emitted(acc: Acceptance) -> tuple:
 V = 10
 
 
-def fixed_setup(cfg: SamplingConfig):
-    """A branching tree whose drafted tokens are likely under the node's target distribution
-    (so acceptances and rejections both happen often), with fixed logits per node.
-
-        0 ─┬─ 1 ─┬─ 4 ── 6
-           │     └─ 5
-           ├─ 2
-           └─ 3
-    """
-    g = torch.Generator().manual_seed(1234)
-    logits = torch.randn(7, V, generator=g) * 1.5
-    probs = probabilities(logits, cfg)
-    parents = [-1, 0, 0, 0, 1, 1, 4]
-    order = [torch.argsort(probs[i], descending=True).tolist() for i in range(7)]
-    # Children: ranks (1, 0, 4) under the root, (0, 2) under node 1, 0 under node 4.
-    tokens = [0, order[0][1], order[0][0], order[0][4], order[1][0], order[1][2], order[4][0]]
-    return Tree.from_parents(tokens, parents), logits, probs
-
-
 SETTINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=4),
             SamplingConfig(temperature=1.0, top_p=0.8)]
 
@@ -164,7 +145,7 @@ def sample_fixed(rule, tree, logits, cfg, n, seed):
 
 @pytest.mark.parametrize("cfg", SETTINGS, ids=["t1", "t0.7-topk4", "topp0.8"])
 def test_verify_sampling_topk_drafts_lossless(cfg):
-    tree, logits, probs = fixed_setup(cfg)
+    tree, logits, probs = fixed_setup(cfg, V)
     expected = emission_probs(tree, probs)
     assert abs(sum(expected.values()) - 1) < 1e-6
     counts = sample_fixed(verify_sampling, tree, logits, cfg, 8_000, seed=7)
@@ -178,7 +159,7 @@ def test_verify_sampling_topk_drafts_lossless(cfg):
 @pytest.mark.parametrize("wrong", [verify_no_zeroing, verify_first_child])
 def test_verify_sampling_statistic_has_power(wrong):
     cfg = SETTINGS[0]
-    tree, logits, probs = fixed_setup(cfg)
+    tree, logits, probs = fixed_setup(cfg, V)
     expected = emission_probs(tree, probs)
     pval, stat, df = chi_square_pvalue(sample_fixed(wrong, tree, logits, cfg, 4_000, seed=7), expected)
     assert pval < FAIL_P, (stat, df)

@@ -121,15 +121,7 @@ def generate_tokens(
             state = drafter.extend(torch.tensor(emitted, device=device), out.features[0, acc.nodes])
         _sync(device)
         td = time.perf_counter()
-        stats.steps += 1
-        stats.accept_lengths.append(len(emitted))
-        stats.tree_sizes.append(t.size)
-        for d in range(acc.length):
-            if d >= len(stats.accepted_per_depth):
-                stats.accepted_per_depth.append(0)
-            stats.accepted_per_depth[d] += 1
-        stats.draft_s += (tb - ta) + (td - tc)
-        stats.verify_s += tc - tb
+        stats.record_step(len(emitted), acc.length, t.size, (tb - ta) + (td - tc), tc - tb)
         stats.new_tokens += len(emitted)
         stats.wall_s = time.perf_counter() - t0
         token = emitted[-1]

@@ -14,8 +14,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from ..config import SamplingConfig, TreeConfig
 from ..runtime.engine import Engine, Request
 from .datasets import BenchItem
@@ -68,10 +66,6 @@ def run_once(eagle, prompts: list[list[int]], method: str, tree: TreeConfig | No
     return wall, reqs, steps
 
 
-def _tokens(req: Request) -> list[int]:
-    return [t for chunk in req.pending for t in chunk]
-
-
 def run_throughput(eagle, items: list[BenchItem], methods: list[str], tree: TreeConfig, batch_size: int,
                    max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> ThroughputResult:
     """Each engine method at batch size 1 and `batch_size`, on the first turns of `items`."""
@@ -91,7 +85,7 @@ def run_throughput(eagle, items: list[BenchItem], methods: list[str], tree: Tree
         ref: list[list[int]] | None = None
         for b in sizes:
             wall, reqs, steps = run_once(eagle, prompts, method, t, b, max_new_tokens, sampling)
-            outs = [_tokens(r) for r in reqs]
+            outs = [r.pending_tokens for r in reqs]
             n = sum(len(o) for o in outs)
             spec_steps = sum(r.stats.steps for r in reqs)
             same = None

@@ -56,6 +56,11 @@ class Request:
     t_submit: float = 0.0
 
     @property
+    def pending_tokens(self) -> list[int]:
+        """The new tokens not yet taken by `Engine.chunks`, flat (all of them after `Engine.run`)."""
+        return [t for chunk in self.pending for t in chunk]
+
+    @property
     def lane_key(self) -> tuple:
         t = self.tree
         if self.method == "vanilla" or t is None:
@@ -132,10 +137,11 @@ class Lane:
         self.requests[row], self.stops[row], self.lengths[row] = req, stop, n
         self._idle[row] = False
         self._sampling = None
-        self._emit(row, [first], t0)
+        self._emit(row, [first])
 
-    def _emit(self, row: int, tokens: list[int], t_start: float) -> None:
-        """Push a row's new tokens through its stop rules; retire it when one fires."""
+    def _emit(self, row: int, tokens: list[int]) -> int:
+        """Push a row's new tokens through its stop rules; retire it when one fires. Returns how
+        many were emitted (tokens past a stop are dropped)."""
         req, stop = self.requests[row], self.stops[row]
         out, reason = [], ""
         for tok in tokens:
@@ -152,6 +158,7 @@ class Lane:
                 reason = "context_full"
             st.stop_reason = reason
             self.retire(row)
+        return len(out)
 
     def retire(self, row: int) -> None:
         """Free a row (finished or cancelled); its request sees done."""
@@ -209,28 +216,14 @@ class Lane:
         for cache in (self.state.target_cache, self.state.draft_cache):
             if cache is not None:
                 cache.lengths.masked_fill_(self._idle, 0)
-        t_done = time.perf_counter()
         # The one device-to-host copy of the step: emitted tokens and their counts.
         host = torch.cat((acc.emitted, acc.count[:, None]), dim=1).tolist()
         for r in active:
             req = self.requests[r]
-            count = host[r][-1]
+            count = host[r][-1]  # nodes kept = accepted drafts + the bonus token
             self.lengths[r] += count
-            st = req.stats
-            st.steps += 1
-            st.accept_lengths.append(min(count, len(host[r]) - 1))
-            st.tree_sizes.append(self.step_fn.budget)
-            for d in range(count - 1):
-                if d >= len(st.accepted_per_depth):
-                    st.accepted_per_depth.append(0)
-                st.accepted_per_depth[d] += 1
-            st.draft_s += times.draft_s
-            st.verify_s += times.verify_s
-            self._emit(r, host[r][:count], t_done)
-            if not req.done:
-                continue
-            # Tokens past a stop are dropped: the step's own count still measured acceptance.
-            st.accept_lengths[-1] = len(req.pending[-1])
+            emitted = self._emit(r, host[r][:count])
+            req.stats.record_step(emitted, count - 1, self.step_fn.budget, times.draft_s, times.verify_s)
 
 
 class Engine:

@@ -37,6 +37,19 @@ class GenerationStats:
         """See `tau` (accept_lengths hold each step's emitted tokens, so they sum to new_tokens - 1)."""
         return tau(1 + sum(self.accept_lengths), len(self.accept_lengths))
 
+    def record_step(self, emitted: int, accepted: int, tree_size: int, draft_s: float, verify_s: float) -> None:
+        """One draft-verify step: `emitted` tokens streamed (cut at a stop), `accepted` drafts
+        the target accepted (not cut: acceptance is measured on the step as verified)."""
+        self.steps += 1
+        self.accept_lengths.append(emitted)
+        self.tree_sizes.append(tree_size)
+        for d in range(accepted):
+            if d >= len(self.accepted_per_depth):
+                self.accepted_per_depth.append(0)
+            self.accepted_per_depth[d] += 1
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
