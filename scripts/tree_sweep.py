@@ -32,9 +32,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--trees", nargs="+", default=["16,5,4", "12,4,4", "8,3,4"], help="total_tokens,depth,top_k")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quant", default="auto")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    e = EagleSpec.load(dtype=args.dtype, draft="default")
+    e = EagleSpec.load(dtype=args.dtype, draft="default", quant=args.quant)
     lines = [x for x in Path(args.data).read_text().splitlines() if x.strip()]
     prompts = [e.encode(first_turn(json.loads(x)))[1] for x in lines[args.skip: args.skip + args.prompts]]
     arms = [None] + [TreeConfig("eagle2", *map(int, t.split(","))) for t in args.trees]

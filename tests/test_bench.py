@@ -67,7 +67,7 @@ def test_quick_run_writes_results_report_and_plots(engine, mixed, tmp_path):
     data = json.loads(files.results.read_text())
     assert len(data["rows"]) == 5 * len(methods)  # 5 turns in all
     assert {"cpu", "cores", "torch"} <= set(data["machine"]) and data["machine"]["cores"] >= 1
-    assert data["setup"] == {"model": "tiny", "head": "random", "dtype": "float32", "device": "cpu"}
+    assert data["setup"] == {"model": "tiny", "head": "random", "dtype": "float32", "device": "cpu", "quant": "none"}
     assert data["mismatches"] == [] and any("llamacpp" in n for n in data["notes"])
     for row in data["rows"]:
         assert row["new_tokens"] >= 1 and row["wall_s"] > 0 and row["tau"] >= 1.0

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from eaglespec.config import SamplingConfig, TreeConfig
 from eaglespec.draft import init_random_head
 from eaglespec.runtime.engine import Engine, Request
-from eaglespec.spec.draft_quant import Int8Linear, int8_head, int8_linear, int8_supported, quantize_rows_int8
+from eaglespec.quant import Int8Linear, quantize_rows_int8
+from eaglespec.spec.draft_quant import int8_head, int8_linear, int8_supported
 from spec_helpers import single_thread
 from tiny import tiny_config, tiny_model
 

@@ -147,11 +147,12 @@ class EagleSpec:
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, draft: str | None = None, dtype: str | torch.dtype = "auto",
-             device: str = "cpu") -> "EagleSpec":
+             device: str = "cpu", quant: str = "auto") -> "EagleSpec":
+        """quant: 'auto' | 'none' | 'int8' | 'int4' for the target's linears (see eaglespec.quant)."""
         t0 = time.perf_counter()
         device = resolve_device(device)
         dt = resolve_dtype(dtype, device)
-        target, src = load_model(model, dt, device)
+        target, src = load_model(model, dt, device, quant=quant)
         tok = load_tokenizer(src, target.config.eos_token_ids)
         engine = cls(target, tok, src)
         if draft is not None:

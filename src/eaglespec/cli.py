@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .config import MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_TREE_TOPK, SamplingConfig, TreeConfig
 from .files import read_text_limited
+from .quant import QUANT_MODES
 from .runtime.request import GenerationError, check_text
 from .weights import DEFAULT_MODEL
 
@@ -27,6 +28,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="auto: bf16 on CUDA and CPUs with AVX512-BF16/AMX, else fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_quant_arg(p)
+
+
+def add_quant_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quant", default="auto", choices=list(QUANT_MODES),
+                   help="target linear layers on a CPU in bf16: auto keeps a GGUF's 4-bit (int4) or 8-bit (int8) "
+                        "weights quantised and float checkpoints float; none: dequantised float weights")
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -179,10 +187,10 @@ def cmd_generate(args) -> int:
     items = [PromptItem([args.prompt])] if args.prompt is not None else read_prompts(args.prompts)
     sampling, tree = sampling_from(args), tree_from(args)
     set_threads()
-    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device)
+    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     if args.method != "vanilla" or args.draft:
         engine.set_draft(args.draft or "default")
-    print(f"# loaded {engine.source.name} ({engine.target.dtype}, {args.device}) in {engine.load_s:.1f} s",
+    print(f"# loaded {engine.source.name} ({engine.target.dtype}, {args.device}, quant {engine.target.quant}) in {engine.load_s:.1f} s",
           file=sys.stderr)
 
     def emit(result, item, turn_index, turn_text):
@@ -215,7 +223,7 @@ def cmd_chat(args) -> int:
     check_options(args, "chat")
     sampling, tree = sampling_from(args), tree_from(args)
     set_threads()
-    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device)
+    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     if args.method != "vanilla" or args.draft:
         engine.set_draft(args.draft or "default")
     print(f"eaglespec chat with {engine.source.name} ({args.method}); /reset clears, /quit or Ctrl-D ends, "

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import attend
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -102,7 +103,7 @@ class Attention(nn.Module):
             k_all, v_all = k, v
         else:
             k_all, v_all = cache.write(layer, k, v)  # [B, nkv, S, hd], S = cached + T
-        y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        y = attend(q, k_all, v_all, mask)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
 
 
@@ -151,6 +152,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.quant = "none"  # the --quant mode its linears run in (quant.quantize_model)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))

@@ -120,8 +120,10 @@ def unpermute_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: str | torch.device = "cpu") -> Transformer:
-    """Instantiate on the meta device and adopt the tensors (no second copy of the weights)."""
+                device: str | torch.device = "cpu", absent: frozenset[str] = frozenset()) -> Transformer:
+    """Instantiate on the meta device and adopt the tensors (no second copy of the weights).
+
+    absent: parameter names the caller will replace (quantised linears): they stay on meta."""
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
     if cfg.tie_word_embeddings:
         sd["lm_head.weight"] = sd["embed.weight"]
@@ -131,6 +133,7 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtyp
         missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     except RuntimeError as e:
         raise ModelLoadError(f"weights do not fit the config: {str(e).strip().splitlines()[-1].strip()}") from None
+    missing = [k for k in missing if k not in absent]
     if missing or unexpected:
         raise ModelLoadError(f"weights do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}")
     if cfg.tie_word_embeddings:
@@ -263,24 +266,27 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     )
 
 
-def load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _dequantize(t) -> torch.Tensor:
+    """One GGUF tensor as fp32, in PyTorch's [out, in] order."""
     import gguf
 
+    try:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"tensor {t.name}: quantisation {t.tensor_type.name} is not supported ({e})") from None
+    shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    if not arr.flags.writeable:  # F32 data is a view of the file's read-only memory map: copy it out
+        arr = arr.copy()
+    return torch.from_numpy(arr).reshape(shape)
+
+
+def load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     by_name = {t.name: t for t in reader.tensors}
 
     def get(name: str) -> torch.Tensor | None:
         t = by_name.get(name)
-        if t is None:
-            return None
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ModelLoadError(f"tensor {name}: quantisation {t.tensor_type.name} is not supported ({e})") from None
-        shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if not arr.flags.writeable:  # F32 data is a view of the file's read-only memory map: copy it out
-            arr = arr.copy()
-        return torch.from_numpy(arr).reshape(shape)
+        return None if t is None else _dequantize(t)
 
     # llama.cpp permutes Q/K rows for its interleaved RoPE in the llama family only.
     transform = unpermute_llama_cpp if cfg.architecture in ("llama", "mistral") else None
@@ -288,6 +294,47 @@ def load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         return assemble_state_dict(cfg, get, GGUF_NAMES, transform)
     except RuntimeError as e:  # tensor shapes that disagree with the metadata
         raise ModelLoadError(f"tensors do not fit the GGUF metadata: {str(e).strip().splitlines()[0]}") from None
+
+
+def gguf_linear_kind(reader, cfg: ModelConfig) -> str | None:
+    """The block type every linear weight of a GGUF shares ('Q4_1', 'Q8_0', 'F16', ...), or None
+    when they differ."""
+    roles = ("q", "k", "v", "o", "gate", "up", "down")
+    wanted = {GGUF_NAMES[r].format(i=i) for r in roles for i in range(cfg.num_layers)}
+    kinds = {t.tensor_type.name for t in reader.tensors if t.name in wanted}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def load_gguf_int4(reader, cfg: ModelConfig, kind: str, dtype: torch.dtype, device: str | torch.device
+                   ) -> Transformer:
+    """A target whose linears keep the GGUF's Q4_0 / Q4_1 blocks (repacked, not requantised).
+
+    The same name map and Q/K row permutation as the float path apply to the blocks: both act on
+    output rows, and a block spans 32 inputs of one row."""
+    import gguf
+
+    from .quant import int4_from_gguf_blocks, quantize_model
+
+    by_name = {t.name: t for t in reader.tensors}
+    def get(name: str) -> torch.Tensor | None:
+        t = by_name.get(name)
+        if t is None:
+            return None
+        if t.tensor_type.name == kind:  # [N, K / 32 * bytes] -> [N, K / 32, bytes]
+            _, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+            raw = np.array(t.data)  # a copy: the memory map is read-only
+            return torch.from_numpy(raw.reshape(raw.shape[0], -1, block_bytes))
+        return _dequantize(t)
+
+    transform = unpermute_llama_cpp if cfg.architecture in ("llama", "mistral") else None
+    try:
+        sd = assemble_state_dict(cfg, get, GGUF_NAMES, transform)
+    except RuntimeError as e:
+        raise ModelLoadError(f"tensors do not fit the GGUF metadata: {str(e).strip().splitlines()[0]}") from None
+    blocks = {k: sd.pop(k) for k in [k for k, v in sd.items() if v.dtype == torch.uint8]}
+    model = build_model(cfg, sd, dtype, device, absent=frozenset(blocks))
+    codes = {k.removesuffix(".weight"): int4_from_gguf_blocks(v, kind) for k, v in blocks.items()}
+    return quantize_model(model, "int4", codes)
 
 
 def load_hf_state(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -384,9 +431,30 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
 
 
 def load_model(model: str | ModelSource, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", use_cache: bool = True) -> tuple[Transformer, ModelSource]:
-    """Resolve and load a target model. Raises ModelLoadError / ConfigError with a clear message."""
+               device: str | torch.device = "cpu", use_cache: bool = True,
+               quant: str = "none") -> tuple[Transformer, ModelSource]:
+    """Resolve and load a target model. Raises ModelLoadError / ConfigError / QuantError with a
+    clear message. quant: 'auto' | 'none' | 'int8' | 'int4' (see quant.py); the model's `.quant`
+    says which mode it got."""
+    from .quant import check_quant, quantize_model, resolve_quant
+
+    check_quant(quant, device, dtype)
     src = model if isinstance(model, ModelSource) else resolve_model(model)
+    kind = None
+    if src.kind == "gguf" and quant != "none":
+        reader = read_gguf(src.path)
+        cfg = gguf_config(reader, src.path)
+        kind = gguf_linear_kind(reader, cfg)
+        mode = resolve_quant(quant, device, dtype, kind)
+        if mode == "int4" and kind in ("Q4_0", "Q4_1"):
+            return load_gguf_int4(reader, cfg, kind, dtype, device), src
+    mode = resolve_quant(quant, device, dtype, kind)
+    target, src = _load_float(src, dtype, device, use_cache)
+    return quantize_model(target, mode), src
+
+
+def _load_float(src: ModelSource, dtype: torch.dtype, device: str | torch.device,
+                use_cache: bool) -> tuple[Transformer, ModelSource]:
     if src.kind == "gguf":
         if use_cache:
             cfg, sd = _load_gguf_cached(src.path, dtype)

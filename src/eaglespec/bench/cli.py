@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..config import TreeConfig
+from ..cli import add_quant_arg
 from ..files import atomic_write_text
 from ..weights import DEFAULT_MODEL
 from .datasets import DATASETS
@@ -41,6 +42,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default", help="draft head: default | random | PATH")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--device", default="cpu")
+    add_quant_arg(p)
     d = TreeConfig()
     p.add_argument("--total-tokens", type=int, default=d.total_tokens, help="eagle2 tree size incl. root")
     p.add_argument("--depth", type=int, default=d.depth, help="eagle2 drafting depth")
@@ -71,7 +73,7 @@ def cmd_bench(args) -> int:
     kw = {"choices": load_choices(args.tree_choices)} if args.tree_choices else {}
     tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, top_k=args.topk, **kw)
     set_threads()
-    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device)
+    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     if any(m in ("eagle", "eagle2") for m in args.methods) or args.alpha:
         engine.set_draft(args.draft)
     if args.batch_size is not None:
@@ -80,7 +82,7 @@ def cmd_bench(args) -> int:
     for n in notes:
         print(f"# note: {n}", file=sys.stderr)
     turns = sum(len(i.turns) for i in items)
-    print(f"# {engine.source.name} ({engine.target.dtype}), head {engine.head_name or '-'}: {len(items)} prompts, "
+    print(f"# {engine.source.name} ({engine.target.dtype}, quant {engine.target.quant}), head {engine.head_name or '-'}: {len(items)} prompts, "
           f"{turns} turns x {len(methods)} methods x {cfg.repeats} repeats", file=sys.stderr)
     result = run_bench(engine, items, methods, cfg, notes)
     # The command line as typed, when this process is the eaglespec command (not a test calling main()).

@@ -21,9 +21,9 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 
-import torch
 
 from ..config import SamplingConfig
+from ..quant import greedy_exact
 from .datasets import BenchItem
 from .methods import CHAIN, Method, MethodOutput
 
@@ -78,8 +78,8 @@ class BenchResult:
     setup: dict  # model, head, dtype, device
     notes: list[str] = field(default_factory=list)  # skipped methods, skipped turns
     mismatches: list[str] = field(default_factory=list)  # lossless-check failures in fp32 (bugs)
-    # In bf16/fp16 a tree forward rounds differently from one-token decoding, so a near-tie argmax
-    # can flip (README, "bf16"): those differences are recorded here, not as bugs.
+    # In bf16/fp16 without the row-invariant kernels a tree forward can round differently from
+    # one-token decoding, so a near-tie argmax can flip: recorded here, not as bugs.
     rounding_differences: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -111,8 +111,8 @@ def check_against_vanilla(rows: list[Row], prompts: dict[str, list[int]], outs: 
                           lossless: dict[str, bool], say, exact: bool = True) -> list[str]:
     """Fill same_as_vanilla / first_diff on a turn's rows; return messages for lossless failures.
 
-    exact: the target runs in fp32, where any difference is a bug; otherwise differences are
-    reported as reduced-precision rounding."""
+    exact: the target's mode guarantees identity (quant.greedy_exact), so any difference is a bug;
+    otherwise differences are reported as reduced-precision rounding."""
     ref_ids, ref = prompts["vanilla"], outs["vanilla"].token_ids
     failures = []
     for row in rows:
@@ -143,9 +143,10 @@ def run_bench(engine, items: list[BenchItem], methods: list[Method], cfg: BenchC
     lossless = {m.name: m.lossless for m in methods}
     result = BenchResult(cfg, names, [], {"model": engine.source.name, "head": engine.head_name or None,
                                           "dtype": str(engine.target.dtype).replace("torch.", ""),
-                                          "device": str(engine.target.device)}, list(notes))
+                                          "device": str(engine.target.device),
+                                          "quant": getattr(engine.target, "quant", "none")}, list(notes))
     window = engine.target.config.max_position_embeddings
-    exact = engine.target.dtype == torch.float32  # greedy equality is exact only in fp32
+    exact = greedy_exact(engine.target)  # fp32, or the row-invariant quantised CPU kernels
     text, ids = _encode(engine, [{"role": "user", "content": items[0].turns[0]}])
     warm = min(cfg.warmup_tokens, cfg.max_new_tokens, max(1, window - len(ids)))
     for m in methods:  # warm-up: first calls pay for allocator growth and lazy initialisation

@@ -24,40 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..draft import DraftHead
-
-def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], scales [N] in the weight's dtype): symmetric, per output row."""
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    return q, scales.to(weight.dtype)
-
-
-class Int8Linear(nn.Module):
-    """A Linear that reads int8 weights (`weight` stays, shared, for whoever reads it)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight, self.bias = weight, bias
-        self.q, self.scales = quantize_rows_int8(weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]  # a host int from the shape: no sync
-        y = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]).contiguous(), self.q, self.scales)
-        y = y.view(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
-
-
-def kernel_fits(in_features: int) -> bool:
-    """torch 2.13's bf16 kernel crashes (SIGSEGV) when the input width is not a multiple of 16
-    (seen at 40); real models' widths are multiples of 64."""
-    return in_features % 16 == 0
+from ..quant import Int8Linear, int8_fits
 
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """Int8Linear where the kernel fits the shape, else the plain float product."""
-    if kernel_fits(weight.shape[1]):
-        return Int8Linear(weight, bias)
+    if int8_fits(weight.shape[1]):
+        return Int8Linear(weight, bias, keep_weight=True)
     return lambda x: F.linear(x, weight, bias)
 
 
@@ -67,8 +40,8 @@ def _swap(module: nn.Module, names: list[str]) -> nn.Module:
     out._modules = dict(module._modules)
     for name in names:
         lin = module._modules[name]
-        if kernel_fits(lin.in_features):
-            out._modules[name] = Int8Linear(lin.weight, lin.bias)
+        if int8_fits(lin.in_features):
+            out._modules[name] = Int8Linear(lin.weight, lin.bias, keep_weight=True)
     return out
 
 

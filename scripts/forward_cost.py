@@ -1,0 +1,75 @@
+"""Forward cost of the default model by quant mode: k new tokens (a causal chain, as a tree of
+depth k) after a 512-token context, k = 1..64; modes interleaved round by round in one process,
+medians. Also prices the row-invariant (exact) attention against the plain and flash kernels.
+Prints a markdown table; asserts nothing.
+
+  python scripts/forward_cost.py --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from eaglespec import attention
+from eaglespec.model import causal_mask
+from eaglespec.weights import DEFAULT_MODEL, load_model
+
+
+def forward_ms(model, ctx: torch.Tensor, k: int, cache) -> float:
+    n = ctx.shape[1]
+    cache.truncate(n)
+    tokens = torch.randint(0, 1000, (1, k))
+    mask = torch.cat([torch.ones(k, n, dtype=torch.bool), causal_mask(0, k)], 1)[None]
+    t0 = time.perf_counter()
+    model(tokens, torch.arange(n, n + k)[None], cache, mask=mask)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--ks", default="1,2,4,8,16,32,64")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ks = [int(x) for x in args.ks.split(",")]
+    arms = {}
+    for quant in ("none", "int8", "int4"):
+        model, _ = load_model(args.model, torch.bfloat16, quant=quant)
+        arms[f"bf16 {quant}"] = (model, "exact")
+    arms["bf16 int4, plain attention"] = (arms["bf16 int4"][0], "plain")
+    arms["bf16 int4, flash attention"] = (arms["bf16 int4"][0], "sdpa")
+    ctx = torch.randint(0, 1000, (1, args.context))
+    caches = {}
+    with torch.inference_mode():
+        for name, (model, _) in arms.items():
+            cache = model.new_cache(args.context + max(ks) + 1)
+            model(ctx, torch.arange(args.context)[None], cache, logits_for="none")
+            caches[name] = cache
+        times = {(name, k): [] for name in arms for k in ks}
+        for r in range(args.rounds + 1):
+            for k in ks:
+                for name, (model, kernel) in arms.items():
+                    attention.DECODE_KERNEL = kernel
+                    ms = forward_ms(model, ctx, k, caches[name])
+                    if r:  # round 0 warms up
+                        times[(name, k)].append(ms)
+        attention.DECODE_KERNEL = "exact"
+    print(f"{args.model}: ms per forward of k new tokens after {args.context} "
+          f"(median of {args.rounds}, {args.threads} threads); x = cost / the same mode's k=1")
+    print("| mode | " + " | ".join(f"k={k}" for k in ks) + " |")
+    print("|---|" + "---|" * len(ks))
+    for name in arms:
+        med = [statistics.median(times[(name, k)]) for k in ks]
+        print(f"| {name} | " + " | ".join(f"{m:.1f} ({m / med[0]:.2f}x)" for m in med) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Attention over the KV cache: which kernel scores which calls, and why.
+
+Two kernels:
+- `F.scaled_dot_product_attention` for long blocks of new tokens (prefill chunks, training),
+  where its blocked flash kernel is fastest.
+- `grouped_attention` for decode-shaped calls (one token, a draft tree, a few rows): two plain
+  matrix products per key/value head. On a CPU torch's flash kernel costs ~0.5 ms per call for a
+  single query over 512 keys (its tiles are sized for long query blocks), 5x the two products:
+  about 12 ms of a 30-layer decode step on the default model (measured, `scripts/forward_cost.py`).
+
+`grouped_attention` is also what makes a tree node's output equal, bit for bit, to the same token
+decoded alone (tests/test_row_invariance.py): the query heads sharing a key/value head are rows of
+one product, a masked key contributes an exact 0 to every sum, and the products' kernels
+accumulate each output along the keys in order, so neither the number of rows computed together
+nor masked slots between a node's keys change its result. The flash kernel splits the keys into
+blocks whose bounds depend on the call's shape, so it gives no such guarantee.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Calls with at most this many new tokens per row take `grouped_attention` (trees and decode);
+# longer ones (prefill chunks) take the flash kernel. A node's exactness needs the target's
+# decode and verify calls on the same side of this bound: trees are far smaller.
+DECODE_ROWS = 64
+
+
+BLOCK = 64  # keys per block of the canonical reduction
+
+
+@dataclass
+class _Tail:
+    """Where each node's gathered blocks come from and go to."""
+
+    index: torch.Tensor  # [B, T, W] slot of the node's logical key at each place (Sp: a zero slot)
+    rows: torch.Tensor  # [B, nkv, T, W] the same as rows of the values flattened to [B * nkv * (Sp + 1), hd]
+    at: torch.Tensor  # [B, 1, 1, T, nt] block number of each gathered block
+    blocks: int  # nt = W / BLOCK
+    total: int  # block count after adding them
+
+
+@dataclass
+class _Plan:
+    """What a mask means for the canonical reduction; built once per forward (every layer gets
+    the same mask object) since it costs more small ops than the attention itself."""
+
+    mask: torch.Tensor | None
+    shape: tuple[int, int, int, int]  # (B, T, S, n_kv)
+    hidden: torch.Tensor | None  # [B, 1, 1, T, S] True where a score is masked
+    drop: torch.Tensor | None  # [B, 1, 1, T, Sp] True where a weight is not in the in-place products
+    tail: _Tail | None
+
+
+_last_plan: _Plan | None = None
+
+
+def _leading_true(x: torch.Tensor) -> torch.Tensor:
+    """[..., S] bool -> [...] count of leading True values."""
+    return x.to(torch.int32).cumprod(-1).sum(-1)
+
+
+def _plan(mask: torch.Tensor | None, b: int, t: int, s: int, n_kv: int, dev: torch.device) -> _Plan:
+    global _last_plan
+    if _last_plan is not None and _last_plan.mask is mask and _last_plan.shape == (b, t, s, n_kv):
+        return _last_plan
+    sp = -(-s // BLOCK) * BLOCK
+    if mask is None:  # every query sees every key, in place: one-token decoding
+        plan = _Plan(None, (b, t, s, n_kv), None, None, None)
+    else:
+        visible = (mask[None, None] if mask.dim() == 2 else mask)[:, 0].expand(b, t, s)  # [B, T, S]
+        rank = visible.cumsum(-1) - 1  # [B, T, S] logical place of each visible slot
+        slot = torch.arange(s, device=dev)
+        in_place = _leading_true(visible & (rank == slot))  # [B, T] keys already at their logical slot
+        length = visible.sum(-1)  # [B, T]
+        # In place: all of a node's keys when they all are, else the whole blocks before the
+        # first that is not.
+        shared_end = torch.where(in_place == length, length, in_place // BLOCK * BLOCK)
+        drop = torch.arange(sp, device=dev) >= shared_end[..., None]  # [B, T, Sp]
+        width = int((length - shared_end).max())  # host int: this path is for CPUs
+        tail = None
+        if width > 0:
+            nt = -(-width // BLOCK)
+            w = nt * BLOCK
+            gathered = visible & (rank >= shared_end[..., None])
+            place = torch.where(gathered, rank - shared_end[..., None], w)  # place w: dropped below
+            index = torch.full((b, t, w + 1), sp, dtype=torch.long, device=dev)
+            index.scatter_(2, place, slot.expand(b, t, s))
+            first = shared_end // BLOCK  # [B, T]
+            at = (first[..., None] + torch.arange(nt, device=dev))[:, None, None]  # [B, 1, 1, T, nt]
+            index = index[..., :w]
+            heads = torch.arange(b * n_kv, device=dev).view(b, n_kv, 1, 1) * (sp + 1)
+            tail = _Tail(index, heads + index[:, None], at, nt, max(sp // BLOCK, int(first.max()) + nt))
+        plan = _Plan(mask, (b, t, s, n_kv), ~visible[:, None, None], drop[:, None, None], tail)
+    _last_plan = plan
+    return plan
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention with grouped key/value heads, reduced in a canonical order.
+
+    q: [B, nh, T, hd]; k, v: [B, nkv, S, hd]; mask: bool broadcastable to [B, 1, T, S] (True = may
+    attend) or None. Returns [B, nh, T, hd] in q's dtype.
+
+    A query's keys, in their logical order (its visible slots in increasing slot order: the
+    committed context, then its tree ancestors, then itself), are cut into blocks of BLOCK keys
+    from the first. Each block's weighted sum of values is one product over exactly BLOCK keys
+    (unused places hold zero weights at the block's end), and the blocks' sums are added in
+    fp64, where these bf16-rounded partial sums add exactly. A tree node whose keys are not all at
+    their logical slots (the other nodes sit between its ancestors) gathers its last blocks into
+    logical order; blocks wholly in the committed context are computed in place for all nodes.
+    So a node computes the same products on the same operands as the one-token call for that
+    position, whatever else is in the call. bf16 products are row-invariant on the CPUs we
+    measured (tests/test_row_invariance.py checks it wherever the tests run); fp32's are not
+    (its matrix kernels change with the row count), so fp32 exactness stays token-level.
+    """
+    b, nh, t, hd = q.shape
+    nkv, s = k.shape[1], k.shape[2]
+    g = nh // nkv
+    plan = _plan(mask, b, t, s, nkv, q.device)
+    blocks = -(-s // BLOCK)
+    sp = blocks * BLOCK
+    # [B, nkv, g*T, hd]: the g query heads of one key/value head become rows of one product
+    scores = torch.matmul(q.reshape(b, nkv, g * t, hd), k.transpose(-1, -2)).float()  # [B, nkv, g*T, S]
+    scores = scores.mul_(hd ** -0.5).view(b, nkv, g, t, s)
+    if plan.hidden is not None:
+        scores = scores.masked_fill_(plan.hidden, float("-inf"))
+    # torch computes the last (numel mod vector width) elements of an elementwise op with its scalar
+    # function, whose exp can differ in the last bit from the vector one: padding to whole blocks
+    # leaves no such tail. The weights are unnormalised: the largest is exactly 1, masked ones 0.
+    scores = F.pad(scores, (0, sp - s), value=float("-inf"))
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(v.dtype)  # [B, nkv, g, T, Sp]
+    in_place = weights if plan.drop is None else weights.masked_fill(plan.drop, 0)
+    in_place = in_place.view(b, nkv, g * t, blocks, BLOCK).transpose(2, 3)  # [B, nkv, blocks, g*T, BLOCK]
+    v_zero = F.pad(v, (0, 0, 0, sp + 1 - s))  # [B, nkv, Sp + 1, hd]: zeros past the keys
+    v_pad = v_zero[:, :, :sp].view(b, nkv, blocks, BLOCK, hd)
+    parts = torch.matmul(in_place, v_pad)  # [B, nkv, blocks, g*T, hd]
+    parts = parts.view(b, nkv, blocks, g, t, hd).permute(0, 1, 3, 4, 2, 5).double()  # [B, nkv, g, T, blocks, hd]
+    sums = in_place.sum(-1, dtype=torch.float64).view(b, nkv, blocks, g, t).permute(0, 1, 3, 4, 2)
+    tail = plan.tail
+    if tail is not None:
+        w = tail.blocks * BLOCK
+        w_tail = torch.gather(F.pad(weights, (0, 1)), 4, tail.index[:, None, None].expand(b, nkv, g, t, w))
+        # rows of [B * nkv * (Sp + 1), hd]: index_select copies whole rows (advanced indexing is 5x slower)
+        v_tail = v_zero.reshape(-1, hd).index_select(0, tail.rows.view(-1))
+        v_tail = v_tail.view(b, nkv, t, tail.blocks, BLOCK, hd)
+        w_tail = w_tail.view(b, nkv, g, t, tail.blocks, BLOCK).permute(0, 1, 3, 4, 2, 5)  # [B, nkv, T, nt, g, BLOCK]
+        tail_parts = torch.matmul(w_tail, v_tail).permute(0, 1, 4, 2, 3, 5).double()  # [B, nkv, g, T, nt, hd]
+        tail_sums = w_tail.sum(-1, dtype=torch.float64).permute(0, 1, 4, 2, 3)  # [B, nkv, g, T, nt]
+        parts = F.pad(parts, (0, 0, 0, tail.total - blocks))
+        sums = F.pad(sums, (0, tail.total - blocks))
+        at = tail.at.expand(b, nkv, g, t, tail.blocks)
+        parts.scatter_add_(4, at[..., None].expand(b, nkv, g, t, tail.blocks, hd), tail_parts)  # into zeros: exact
+        sums.scatter_add_(4, at, tail_sums)
+    out = parts.sum(4) / sums.sum(4)[..., None]  # [B, nkv, g, T, hd]
+    return out.to(q.dtype).view(b, nh, t, hd)
+
+
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The same attention without the canonical order: one product over all keys and torch's
+    softmax. Faster for trees, not row-invariant; kept to measure what exactness costs."""
+    b, nh, t, hd = q.shape
+    nkv, s = k.shape[1], k.shape[2]
+    g = nh // nkv
+    scores = torch.matmul(q.reshape(b, nkv, g * t, hd), k.transpose(-1, -2)).float().mul_(hd ** -0.5)
+    scores = scores.view(b, nkv, g, t, s)
+    if mask is not None:
+        scores = scores.masked_fill_(~(mask[None, None] if mask.dim() == 2 else mask)[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, nkv, g * t, s)
+    return torch.matmul(probs, v).view(b, nh, t, hd)
+
+
+# Which kernel decode-shaped calls take: "exact" (grouped_attention), "plain" or "sdpa". Only the
+# benchmark scripts change it, to price exactness.
+DECODE_KERNEL = "exact"
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Route one attention call (shapes as `grouped_attention`; mask [T, S] or [B, 1, T, S])."""
+    if q.shape[2] <= DECODE_ROWS and q.device.type == "cpu" and DECODE_KERNEL != "sdpa":
+        return (grouped_attention if DECODE_KERNEL == "exact" else plain_attention)(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])

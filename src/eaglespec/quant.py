@@ -1,0 +1,218 @@
+"""Quantised linear layers for the target on a CPU: the `--quant` modes and their kernels.
+
+Decoding a small model on a CPU is bound by reading its weights (270 MB a token in bf16 for the
+default model). The modes:
+- `int4`: 4-bit weights in groups of 32 along the input, w = (q - 8) * scale + zero, run by torch's
+  `_weight_int4pack_mm_for_cpu`. A GGUF's Q4_0 / Q4_1 blocks are repacked as they are (Q4_1's
+  w = d * q + m is scale d, zero m + 8d; Q4_0's w = d * (q - 8) is zero 0); float checkpoints are
+  quantised on load (asymmetric min/max per group).
+- `int8`: per-output-row symmetric int8 run by `_weight_int8pack_mm`.
+- `none`: the float weights in the model's dtype.
+- `auto`: keep a GGUF's 4-bit (int4) or 8-bit (int8) linears quantised; float checkpoints stay
+  float. Only on a CPU in bf16: the kernels' fp32 paths are many times slower than a float matmul
+  (measured 90-190 ms for what bf16 does in 7-29 ms), and their CUDA packing differs.
+
+Both kernels are row-invariant (a row's output does not depend on the other rows computed with
+it; tests/test_row_invariance.py), which is what lets a verified tree reproduce plain decoding
+bit for bit. Their cost grows with the rows (they unpack the weights again for every 4 rows), so
+on a CPU they suit decoding and small trees; `scripts/forward_cost.py` prints the table.
+
+The LM head (the tied embedding: 21% of the default model's weights) becomes per-row int8 in the
+int4 and int8 modes: 4-bit output embeddings lose too much (llama.cpp keeps them 8-bit too); the
+GGUF's Q8_0 groups of 32 become one scale per row, so those logits differ slightly from the file's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+QUANT_MODES = ("auto", "none", "int8", "int4")
+GROUP = 32  # weights per scale in the int4 layout (a GGUF block)
+
+
+class QuantError(ValueError):
+    """A quant mode that cannot run here; the message says what would."""
+
+
+def int4_fits(out_features: int, in_features: int) -> bool:
+    """Shapes torch's int4 CPU packing takes: input width a multiple of 64 (2 K-tiles of a group
+    of 32 nibbles), output width a multiple of 8."""
+    return in_features % 64 == 0 and out_features % 8 == 0
+
+
+def int8_fits(in_features: int) -> bool:
+    """torch 2.13's bf16 int8 kernel crashes (SIGSEGV) when the input width is not a multiple of 16."""
+    return in_features % 16 == 0
+
+
+@dataclass
+class Int4Weights:
+    """A [N, K] weight as 4-bit codes and per-group affine parameters: w = (q - 8) * scale + zero.
+
+    q: int32 [N, K] in 0..15; scale, zero: fp32 [N, K // GROUP]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weights these codes stand for, [N, K] fp32."""
+        n, k = self.q.shape
+        s = self.scale.repeat_interleave(GROUP, dim=1)
+        z = self.zero.repeat_interleave(GROUP, dim=1)
+        return (self.q - 8).float() * s + z
+
+
+def int4_from_gguf_blocks(blocks: torch.Tensor, kind: str) -> Int4Weights:
+    """Unpack GGUF Q4_0 / Q4_1 blocks ([N, K // 32, bytes] uint8) without requantising.
+
+    A block is fp16 d (Q4_1: then fp16 m) and 16 bytes of nibbles: byte j holds element j in its
+    low nibble and element j + 16 in its high one."""
+    header = {"Q4_0": 2, "Q4_1": 4}[kind]
+    n, groups, size = blocks.shape
+    raw = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
+    d = torch.from_numpy(np.ascontiguousarray(raw[..., 0:2]).view(np.float16)[..., 0].astype(np.float32))
+    nib = torch.from_numpy(np.ascontiguousarray(raw[..., header:size])).to(torch.int32)  # [N, G, 16]
+    q = torch.cat([nib & 0xF, nib >> 4], dim=-1).reshape(n, groups * GROUP)
+    if kind == "Q4_1":
+        m = torch.from_numpy(np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0].astype(np.float32))
+        zero = m + 8 * d  # exact in fp32: both are fp16 values
+    else:
+        zero = torch.zeros_like(d)
+    return Int4Weights(q=q.contiguous(), scale=d, zero=zero)
+
+
+def int4_from_float(weight: torch.Tensor) -> Int4Weights:
+    """Asymmetric min/max quantisation per group of 32 input weights (float checkpoints)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    wg = w.view(n, k // GROUP, GROUP)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    return Int4Weights(q=q, scale=scale, zero=lo + 8 * scale)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ b) with W as `Int4Weights`, packed for torch's CPU kernel.
+
+    The kernel takes scale and zero in the activations' dtype (bf16): that rounding (relative
+    2^-9 per group) is the only difference from the float weights the codes stand for."""
+
+    def __init__(self, w: Int4Weights, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = w.q.shape
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q, 2)
+        # [K // GROUP, N, 2]: the kernel's layout of (scale, zero)
+        self.scale_zero = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(dtype).contiguous()
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, self.in_features), self.packed, GROUP,
+                                                       self.scale_zero)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scales [N]): symmetric, per output row."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scales
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b) with W as per-row symmetric int8, `_weight_int8pack_mm`.
+
+    keep_weight: keep a reference to the float weight as `.weight` for code that reads it (the
+    drafter reads the target's LM head; a tied head shares the embedding, so it costs nothing)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.q, scales = quantize_rows_int8(weight)
+        self.scales = scales.to(weight.dtype)
+        self.weight = weight if keep_weight else None
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        y = torch._weight_int8pack_mm(x.reshape(rows, self.in_features).contiguous(), self.q, self.scales)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def check_quant(mode: str, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Refuse a mode that cannot run on this device / dtype, naming what would."""
+    if mode not in QUANT_MODES:
+        raise QuantError(f"--quant must be one of {', '.join(QUANT_MODES)}, got {mode!r}")
+    if mode in ("int4", "int8") and (torch.device(device).type != "cpu" or dtype != torch.bfloat16):
+        raise QuantError(f"--quant {mode} runs on a CPU in bf16 (got {torch.device(device).type}, "
+                         f"{str(dtype).removeprefix('torch.')}); use --quant none there")
+
+
+def resolve_quant(mode: str, device: torch.device | str, dtype: torch.dtype, gguf_kind: str | None) -> str:
+    """`auto` -> a concrete mode. gguf_kind: the GGUF linears' block type (e.g. 'Q4_1'), None for
+    float checkpoints."""
+    check_quant(mode, device, dtype)
+    if mode != "auto":
+        return mode
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or gguf_kind is None:
+        return "none"
+    if gguf_kind in ("Q4_0", "Q4_1"):
+        return "int4"
+    if gguf_kind == "Q8_0":
+        return "int8"
+    return "none"
+
+
+LINEARS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent), name, module)
+
+
+def quantize_model(model: nn.Module, mode: str, int4_weights: dict[str, Int4Weights] | None = None) -> nn.Module:
+    """Replace the target's linear layers (and LM head) in place for `mode` ('none', 'int8', 'int4').
+
+    int4_weights: module path -> codes taken from the checkpoint as they are (a GGUF's blocks);
+    other linears in int4 mode are quantised from their float weights. Shapes the kernels cannot
+    take stay float (tiny test models)."""
+    model.quant = mode
+    if mode == "none":
+        return model
+    dtype = model.dtype
+    for i in range(len(model.layers)):
+        for name in LINEARS:
+            path = f"layers.{i}.{name}"
+            lin = model.get_submodule(path)
+            given = (int4_weights or {}).get(path)
+            if mode == "int4" and (given is not None or int4_fits(lin.out_features, lin.in_features)):
+                w = given if given is not None else int4_from_float(lin.weight)
+                _set(model, path, Int4Linear(w, lin.bias, dtype))
+            elif int8_fits(lin.in_features):
+                _set(model, path, Int8Linear(lin.weight, lin.bias))
+    head = model.lm_head
+    if int8_fits(head.in_features) and head.weight.device.type != "meta":
+        # The tied embedding keeps its float table for lookups; only the product reads int8.
+        model.lm_head = Int8Linear(head.weight, head.bias, keep_weight=True)
+    return model
+
+
+def greedy_exact(model: nn.Module) -> bool:
+    """Whether greedy speculative output is guaranteed token-identical to vanilla for this target:
+    fp32 (tested since the first release), or a CPU target whose linears all run the row-invariant
+    int4 / int8 kernels (with the row-invariant decode attention, for trees up to
+    attention.DECODE_ROWS nodes). bf16 `none` is not: oneDNN's bf16 product changes its blocking
+    above ~14 rows for some shapes (measured: the 1536-wide down projection), so a large tree can
+    round a near-tie apart."""
+    if model.dtype == torch.float32:
+        return True
+    return model.device.type == "cpu" and getattr(model, "quant", "none") in ("int4", "int8")

@@ -1,0 +1,109 @@
+"""Row invariance: a row's output is bitwise the same alone or computed with up to 63 other rows or
+tree nodes. Greedy speculative output equals vanilla in bf16 (quant int4 / int8) because of this."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglespec.attention import DECODE_ROWS, grouped_attention
+from eaglespec.model import RMSNorm
+from eaglespec.quant import Int4Linear, Int8Linear, int4_from_float, quantize_model
+from tiny import tiny_config, tiny_model
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                                reason="no int4 CPU kernel in this torch")
+
+# The default model's linear shapes (out, in) and its LM head's.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantised_linear_rows_are_invariant(shape, kind):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*shape, generator=g) * 0.05
+    lin = Int4Linear(int4_from_float(w), None, torch.bfloat16) if kind == "int4" else Int8Linear(w.bfloat16(), None)
+    x = torch.randn(64, shape[1], generator=g).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(64)])
+    for m in (2, 3, 7, 8, 15, 16, 17, 31, 33, 64):
+        assert torch.equal(lin(x[:m]), alone[:m]), f"{kind} {shape}: {m} rows"
+
+
+def test_lm_head_rows_are_invariant():
+    g = torch.Generator().manual_seed(1)
+    head = Int8Linear((torch.randn(49152, 576, generator=g) * 0.05).bfloat16(), None)
+    x = torch.randn(24, 576, generator=g).bfloat16()
+    alone = torch.cat([head(x[i:i + 1]) for i in range(24)])
+    assert torch.equal(head(x), alone)
+
+
+def random_tree(n: int, g: torch.Generator) -> torch.Tensor:
+    """[n, n] bool ancestor matrix (node 0 the root; a node sees itself and its ancestors)."""
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        parent = int(torch.randint(0, i, (1,), generator=g)) if i else -1
+        anc[i] = anc[parent] if parent >= 0 else anc[i]
+        anc[i, i] = True
+    return anc
+
+
+@pytest.mark.parametrize("context", [5, 130, 700])
+def test_tree_attention_equals_each_node_alone(context):
+    """A tree node attends over the committed context plus its ancestors, with other nodes masked
+    between them and unused view slots after: its output equals the one-token call over its own
+    path laid out contiguously (how plain decoding sees it). In bf16, the default dtype; fp32's
+    matrix-vector kernel differs from its matrix kernel (its exactness is token-level, tested
+    end to end)."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(context)
+    nh, nkv, hd, n, pad = 9, 3, 64, DECODE_ROWS, 11
+    k_ctx, v_ctx = (torch.randn(1, nkv, context, hd, generator=g).to(dtype) for _ in range(2))
+    k_tree, v_tree = (torch.randn(1, nkv, n, hd, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(1, nh, n, hd, generator=g).to(dtype)
+    anc = random_tree(n, g)
+    junk = torch.randn(1, nkv, pad, hd, generator=g).to(dtype)  # slots past the view's live part
+    k = torch.cat([k_ctx, k_tree, junk], 2)
+    v = torch.cat([v_ctx, v_tree, junk], 2)
+    mask = torch.cat([torch.ones(n, context, dtype=torch.bool), anc, torch.zeros(n, pad, dtype=torch.bool)], 1)
+    full = grouped_attention(q, k, v, mask[None, None])
+    for size in (1, 2, 17, n):  # the tree's first `size` nodes scored together
+        part = grouped_attention(q[:, :, :size], k, v, mask[None, None, :size])
+        assert torch.equal(part, full[:, :, :size])
+    for i in range(n):
+        path = torch.nonzero(anc[i]).flatten()  # ancestors in depth order, then the node
+        alone = grouped_attention(q[:, :, i:i + 1], torch.cat([k_ctx, k_tree[:, :, path]], 2),
+                                  torch.cat([v_ctx, v_tree[:, :, path]], 2), None)
+        assert torch.equal(alone, full[:, :, i:i + 1]), f"node {i}"
+
+
+def test_rmsnorm_rows_are_invariant():
+    norm = RMSNorm(576, 1e-5)
+    x = torch.randn(64, 576).bfloat16()
+    assert torch.equal(norm(x), torch.cat([norm(x[i:i + 1]) for i in range(64)]))
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_tree_forward_equals_decoding_each_path(mode):
+    """The whole target in bf16: logits of a random 20-node tree scored in one forward equal,
+    bit for bit, each node's logits when its path is decoded one token at a time."""
+    cfg = tiny_config(hidden=64, inter=128, heads=4, kv_heads=2, vocab=96)
+    model = quantize_model(tiny_model(cfg, dtype=torch.bfloat16), mode)
+    g = torch.Generator().manual_seed(3)
+    ctx = torch.randint(0, 96, (1, 9), generator=g)
+    n = 20
+    anc = random_tree(n, g)
+    tokens = torch.randint(0, 96, (1, n), generator=g)
+    depth = anc.sum(1) - 1
+    with torch.inference_mode():
+        cache = model.new_cache(64)
+        model(ctx, torch.arange(9)[None], cache, logits_for="none")
+        mask = torch.cat([torch.ones(n, 9, dtype=torch.bool), anc], 1)[None]
+        tree = model(tokens, (9 + depth)[None], cache, mask=mask).logits[0]
+        for i in range(n):
+            path = torch.nonzero(anc[i]).flatten()
+            c = model.new_cache(64)
+            model(ctx, torch.arange(9)[None], c, logits_for="none")
+            for j, node in enumerate(path.tolist()):
+                out = model(tokens[:, node:node + 1], torch.tensor([[9 + j]]), c)
+            assert torch.equal(out.logits[0, -1], tree[i]), f"node {i}"
