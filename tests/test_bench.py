@@ -133,6 +133,26 @@ def test_bf16_difference_is_reported_as_rounding_not_a_bug(engine, mixed, tmp_pa
     assert "Differences from vanilla in bfloat16" in report and "MISMATCHES" not in report
 
 
+def test_a_baseline_that_crashes_is_a_note_not_the_end(engine, mixed, tmp_path):
+    """A child process that dies mid-run (llama.cpp segfaulted on one machine): the run goes on."""
+    import subprocess
+
+    from eaglespec.bench.methods import LlamaCppMethod
+
+    items = load_datasets([], data=[mixed])
+    methods, notes = build_methods(["vanilla", "eagle2"], engine)
+    # A "llama.cpp" child that answers the warm-up, then dies with SIGSEGV on the next request.
+    script = ("import json, os, signal, sys\n"
+              "sys.stdin.readline(); print(json.dumps({'tokens': [5], 'wall_s': 0.01}), flush=True)\n"
+              "sys.stdin.readline(); os.kill(os.getpid(), signal.SIGSEGV)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    methods.append(LlamaCppMethod(proc, [], engine.tokenizer.decode))
+    result = run_bench(engine, items, methods, BenchConfig(max_new_tokens=6, progress=False), notes)
+    assert any("llamacpp crashed" in n and "signal" in n for n in result.notes), result.notes
+    assert {r.method for r in result.rows} == {"vanilla", "eagle2"}
+    assert len(result.rows) == 5 * 2 and result.mismatches == []
+
+
 def test_missing_llamacpp_is_skipped_with_a_note(engine, monkeypatch):
     monkeypatch.setattr(engine, "source", ModelSource("gguf", Path("model.gguf"), "model"))
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError

@@ -13,6 +13,10 @@ Every method takes the same prompt token ids and returns a MethodOutput.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -161,47 +165,60 @@ class HFMethod(Method):
                             stop_reason=reason)
 
 
+class BaselineCrashed(RuntimeError):
+    """A baseline's child process died; the bench notes it and goes on without that baseline."""
+
+
 class LlamaCppMethod(Method):
-    """llama-cpp-python generating from our prompt ids (so both see the same input tokens)."""
+    """llama-cpp-python in a child process (bench/llamacpp_worker.py), generating from our prompt
+    ids (so both see the same input tokens); a crash of the child is reported, not fatal."""
 
     name = "llamacpp"
 
-    def __init__(self, llm, eos_ids: list[int], decode) -> None:
-        self.llm, self.eos, self.decode = llm, set(eos_ids) | {llm.token_eos()}, decode
+    def __init__(self, proc, eos_ids: list[int], decode) -> None:
+        self.proc, self.eos, self.decode = proc, list(eos_ids), decode
 
     def run(self, prompt_text, prompt_ids, max_new_tokens, sampling):
-        if sampling.seed is not None and hasattr(self.llm, "set_seed"):
-            self.llm.set_seed(sampling.seed)
-        new: list[int] = []
-        reason = "max_new_tokens"
-        t0 = time.perf_counter()
-        for tok in self.llm.generate(prompt_ids, temp=sampling.temperature, top_k=sampling.top_k,
-                                     top_p=sampling.top_p, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True):
-            new.append(int(tok))
-            if tok in self.eos:
-                reason = "eos"
-                break
-            if len(new) >= max_new_tokens:
-                break
-        wall = time.perf_counter() - t0
-        return MethodOutput(new, self.decode(new), wall, max(0, len(new) - 1), stop_reason=reason)
+        req = {"ids": list(prompt_ids), "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
+               "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed, "eos": self.eos}
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            code = self.proc.wait()
+            raise BaselineCrashed(f"llamacpp crashed (exit code {code}{', a signal' if code < 0 else ''})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise BaselineCrashed(f"llamacpp failed: {reply['error']}")
+        new = reply["tokens"]
+        reason = "eos" if new and new[-1] in self.eos else "max_new_tokens"
+        return MethodOutput(new, self.decode(new), reply["wall_s"], max(0, len(new) - 1), stop_reason=reason)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
 
 
 def load_llamacpp(engine, n_ctx: int) -> tuple[Method | None, str]:
     """(method, '') or (None, why it is skipped). Never raises: llamacpp is an optional baseline."""
     if engine.source.kind != "gguf":
         return None, "llamacpp skipped: it needs a GGUF model (--model FILE.gguf), not a checkpoint directory"
-    try:
-        import llama_cpp
-    except ImportError as e:
-        return None, (f"llamacpp skipped: llama-cpp-python is not installed ({e}); "
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, ("llamacpp skipped: llama-cpp-python is not installed; "
                       "install it with: pip install 'eaglespec[llamacpp]' (builds llama.cpp, about 5 minutes)")
-    try:
-        llm = llama_cpp.Llama(model_path=str(engine.source.path), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
-                              seed=0, verbose=False)
-    except Exception as e:  # a build without this GGUF's quantisation, a bad file: skip, never crash
-        return None, f"llamacpp skipped: cannot load {engine.source.path} ({type(e).__name__}: {e})"
-    return LlamaCppMethod(llm, engine.tokenizer.eos_token_ids, engine.tokenizer.decode), ""
+    proc = subprocess.Popen([sys.executable, "-m", "eaglespec.bench.llamacpp_worker", str(engine.source.path),
+                             str(n_ctx), str(torch.get_num_threads())],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    reply = json.loads(first) if first else {"error": f"the worker exited with code {proc.wait()}"}
+    if "error" in reply:
+        proc.kill()
+        return None, f"llamacpp skipped: cannot load {engine.source.path} ({reply['error']})"
+    return LlamaCppMethod(proc, engine.tokenizer.eos_token_ids, engine.tokenizer.decode), ""
 
 
 def check_names(names: list[str]) -> None:

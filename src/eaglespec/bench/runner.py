@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from ..config import SamplingConfig
 from ..quant import greedy_exact
 from .datasets import BenchItem
-from .methods import CHAIN, Method, MethodOutput
+from .methods import CHAIN, BaselineCrashed, Method, MethodOutput
 
 
 @dataclass
@@ -149,8 +149,18 @@ def run_bench(engine, items: list[BenchItem], methods: list[Method], cfg: BenchC
     exact = greedy_exact(engine.target)  # fp32, or the row-invariant quantised CPU kernels
     text, ids = _encode(engine, [{"role": "user", "content": items[0].turns[0]}])
     warm = min(cfg.warmup_tokens, cfg.max_new_tokens, max(1, window - len(ids)))
-    for m in methods:  # warm-up: first calls pay for allocator growth and lazy initialisation
-        m.run(text, ids, warm, SamplingConfig(temperature=cfg.temperature, seed=cfg.seed))
+    methods = list(methods)
+
+    def crashed(m: Method, e: BaselineCrashed) -> None:  # a baseline's child died: go on without it
+        result.notes.append(f"{e}; its rows stop there")
+        methods.remove(m)
+        names.remove(m.name)
+
+    for m in list(methods):  # warm-up: first calls pay for allocator growth and lazy initialisation
+        try:
+            m.run(text, ids, warm, SamplingConfig(temperature=cfg.temperature, seed=cfg.seed))
+        except BaselineCrashed as e:
+            crashed(m, e)
     total = cfg.repeats * sum(len(i.turns) for i in items) * len(methods)
     bar = tqdm(total=total, unit="gen", desc="bench", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True)
     say = bar.write if cfg.progress else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -171,7 +181,12 @@ def run_bench(engine, items: list[BenchItem], methods: list[Method], cfg: BenchC
                     break
                 outs: dict[str, MethodOutput] = {}
                 for m in order:
-                    outs[m.name] = m.run(*prompts[m.name], cfg.max_new_tokens, sampling)
+                    if m.name not in names:  # crashed earlier in this conversation
+                        continue
+                    try:
+                        outs[m.name] = m.run(*prompts[m.name], cfg.max_new_tokens, sampling)
+                    except BaselineCrashed as e:
+                        crashed(m, e)
                     bar.update(1)
                 rows = [_row(item, turn, rep, n, prompts[n][1], outs[n]) for n in names]
                 if sampling.greedy:
@@ -183,6 +198,9 @@ def run_bench(engine, items: list[BenchItem], methods: list[Method], cfg: BenchC
                     history[n] += [{"role": "user", "content": user}, {"role": "assistant", "content": outs[n].text}]
                 bar.set_postfix_str(" ".join(f"{r.method} {r.tokens_per_s:.0f}" for r in rows) + " tok/s")
     bar.close()
+    for m in methods:
+        if hasattr(m, "close"):
+            m.close()
     return result
 
 
