@@ -38,9 +38,7 @@ class _Tail:
 
     index: torch.Tensor  # [B, T, W] slot of the node's logical key at each place (Sp: a zero slot)
     rows: torch.Tensor  # [B, nkv, T, W] the same as rows of the values flattened to [B * nkv * (Sp + 1), hd]
-    at: torch.Tensor  # [B, 1, 1, T, nt] block number of each gathered block
     blocks: int  # nt = W / BLOCK
-    total: int  # block count after adding them
 
 
 @dataclass
@@ -89,11 +87,9 @@ def _plan(mask: torch.Tensor | None, b: int, t: int, s: int, n_kv: int, dev: tor
             place = torch.where(gathered, rank - shared_end[..., None], w)  # place w: dropped below
             index = torch.full((b, t, w + 1), sp, dtype=torch.long, device=dev)
             index.scatter_(2, place, slot.expand(b, t, s))
-            first = shared_end // BLOCK  # [B, T]
-            at = (first[..., None] + torch.arange(nt, device=dev))[:, None, None]  # [B, 1, 1, T, nt]
             index = index[..., :w]
             heads = torch.arange(b * n_kv, device=dev).view(b, n_kv, 1, 1) * (sp + 1)
-            tail = _Tail(index, heads + index[:, None], at, nt, max(sp // BLOCK, int(first.max()) + nt))
+            tail = _Tail(index, heads + index[:, None], nt)
         plan = _Plan(mask, (b, t, s, n_kv), ~visible[:, None, None], drop[:, None, None], tail)
     _last_plan = plan
     return plan
@@ -109,9 +105,13 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     committed context, then its tree ancestors, then itself), are cut into blocks of BLOCK keys
     from the first. Each block's weighted sum of values is one product over exactly BLOCK keys
     (unused places hold zero weights at the block's end), and the blocks' sums are added in
-    fp64, where these bf16-rounded partial sums add exactly. A tree node whose keys are not all at
-    their logical slots (the other nodes sit between its ancestors) gathers its last blocks into
-    logical order; blocks wholly in the committed context are computed in place for all nodes.
+    fp64. The partial sums are bf16 (8 significant bits), so fp64 adds them exactly, in any
+    order, unless their magnitudes span more than about 2^40 (a block weighing 10^-12 of
+    another); even then the difference lies in fp64's last bit, which survives the final rounding
+    to bf16 with probability about 2^-44. The normaliser is the same kind of sum. A tree node
+    whose keys are not all at their logical slots (the other nodes sit between its ancestors)
+    gathers its last blocks into logical order; blocks wholly in the committed context are
+    computed in place for all nodes.
     So a node computes the same products on the same operands as the one-token call for that
     position, whatever else is in the call. bf16 products are row-invariant on the CPUs we
     measured (tests/test_row_invariance.py checks it wherever the tests run); fp32's are not
@@ -133,30 +133,26 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     # leaves no such tail. The weights are unnormalised: the largest is exactly 1, masked ones 0.
     scores = F.pad(scores, (0, sp - s), value=float("-inf"))
     weights = torch.exp(scores - scores.amax(-1, keepdim=True)).to(v.dtype)  # [B, nkv, g, T, Sp]
+    # The normaliser: bf16 weights add exactly in fp64 in any order (see the docstring).
+    total = weights.sum(-1, dtype=torch.float64)  # [B, nkv, g, T]
     in_place = weights if plan.drop is None else weights.masked_fill(plan.drop, 0)
     in_place = in_place.view(b, nkv, g * t, blocks, BLOCK).transpose(2, 3)  # [B, nkv, blocks, g*T, BLOCK]
     v_zero = F.pad(v, (0, 0, 0, sp + 1 - s))  # [B, nkv, Sp + 1, hd]: zeros past the keys
-    v_pad = v_zero[:, :, :sp].view(b, nkv, blocks, BLOCK, hd)
-    parts = torch.matmul(in_place, v_pad)  # [B, nkv, blocks, g*T, hd]
-    parts = parts.view(b, nkv, blocks, g, t, hd).permute(0, 1, 3, 4, 2, 5).double()  # [B, nkv, g, T, blocks, hd]
-    sums = in_place.sum(-1, dtype=torch.float64).view(b, nkv, blocks, g, t).permute(0, 1, 3, 4, 2)
+    parts = torch.matmul(in_place, v_zero[:, :, :sp].view(b, nkv, blocks, BLOCK, hd))  # [B, nkv, blocks, g*T, hd]
+    # The blocks' bf16 sums add exactly in fp64 too: neither their order nor where a node's
+    # gathered blocks go matters.
+    out = parts.sum(2, dtype=torch.float64).view(b, nkv, g, t, hd)
     tail = plan.tail
     if tail is not None:
         w = tail.blocks * BLOCK
         w_tail = torch.gather(F.pad(weights, (0, 1)), 4, tail.index[:, None, None].expand(b, nkv, g, t, w))
+        w_tail = w_tail.view(b, nkv, g, t, tail.blocks, BLOCK).permute(0, 1, 3, 4, 2, 5)  # [B, nkv, T, nt, g, BLOCK]
         # rows of [B * nkv * (Sp + 1), hd]: index_select copies whole rows (advanced indexing is 5x slower)
         v_tail = v_zero.reshape(-1, hd).index_select(0, tail.rows.view(-1))
         v_tail = v_tail.view(b, nkv, t, tail.blocks, BLOCK, hd)
-        w_tail = w_tail.view(b, nkv, g, t, tail.blocks, BLOCK).permute(0, 1, 3, 4, 2, 5)  # [B, nkv, T, nt, g, BLOCK]
-        tail_parts = torch.matmul(w_tail, v_tail).permute(0, 1, 4, 2, 3, 5).double()  # [B, nkv, g, T, nt, hd]
-        tail_sums = w_tail.sum(-1, dtype=torch.float64).permute(0, 1, 4, 2, 3)  # [B, nkv, g, T, nt]
-        parts = F.pad(parts, (0, 0, 0, tail.total - blocks))
-        sums = F.pad(sums, (0, tail.total - blocks))
-        at = tail.at.expand(b, nkv, g, t, tail.blocks)
-        parts.scatter_add_(4, at[..., None].expand(b, nkv, g, t, tail.blocks, hd), tail_parts)  # into zeros: exact
-        sums.scatter_add_(4, at, tail_sums)
-    out = parts.sum(4) / sums.sum(4)[..., None]  # [B, nkv, g, T, hd]
-    return out.to(q.dtype).view(b, nh, t, hd)
+        tail_parts = torch.matmul(w_tail, v_tail)  # [B, nkv, T, nt, g, hd]
+        out += tail_parts.sum(3, dtype=torch.float64).permute(0, 1, 3, 2, 4)
+    return (out / total[..., None]).to(q.dtype).view(b, nh, t, hd)
 
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

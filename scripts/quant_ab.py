@@ -1,0 +1,65 @@
+"""bf16 float weights against --quant auto (the GGUF's 4-bit weights), vanilla and eagle2 with the
+shipped head, interleaved prompt by prompt in one process on MT-bench first turns. Prints tokens/s,
+ratios to bf16 vanilla, tau and whether each speculative answer equals its mode's vanilla.
+
+  python scripts/quant_ab.py --data ../shared/data/mt_bench/question.jsonl --prompts 8 --max-new-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from eaglespec.api import EagleSpec
+from eaglespec.config import TreeConfig
+from eaglespec.runtime.engine import Request
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True, help="MT-bench jsonl")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--trees", nargs="+", default=["8,3,4", "4,2,2"], help="eagle2 total_tokens,depth,top_k")
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    engines = {q: EagleSpec.load(dtype="bf16", draft="default", quant=q) for q in ("none", "auto")}
+    lines = [x for x in Path(args.data).read_text().splitlines() if x.strip()][: args.prompts]
+    arms = [(q, None) for q in engines] + [(q, t) for q in engines for t in args.trees]
+    stats = {a: [0, 0.0, 0, 0] for a in arms}  # tokens, seconds, forwards, identical answers
+    for j, line in enumerate(lines):
+        order = arms[j % len(arms):] + arms[: j % len(arms)]  # rotate to spread drift
+        answers = {}
+        for quant, tree in order:
+            e = engines[quant]
+            ids = e.encode(json.loads(line)["turns"][0])[1]
+            cfg = None if tree is None else TreeConfig("eagle2", *map(int, tree.split(",")))
+            r = Request(ids, "vanilla" if tree is None else "eagle2", cfg, max_new_tokens=args.max_new_tokens)
+            t0 = time.perf_counter()
+            e.engine.run([r])
+            s = stats[(quant, tree)]
+            s[0] += len(r.pending_tokens)
+            s[1] += time.perf_counter() - t0
+            s[2] += r.stats.steps
+            answers[(quant, tree)] = list(r.pending_tokens)
+        for quant, tree in arms:
+            stats[(quant, tree)][3] += answers[(quant, tree)] == answers[(quant, None)]
+    base = stats[("none", None)][0] / stats[("none", None)][1]
+    print(f"{len(lines)} MT-bench first turns, {args.max_new_tokens} new tokens, bf16, {torch.get_num_threads()} threads")
+    print("| quant | method (tree) | tokens/s | x bf16 vanilla | x same-quant vanilla | tau | identical to its vanilla |")
+    print("|---|---|---|---|---|---|---|")
+    for quant, tree in arms:
+        tok, sec, steps, same = stats[(quant, tree)]
+        own = stats[(quant, None)][0] / stats[(quant, None)][1]
+        name = "vanilla" if tree is None else f"eagle2 ({tree})"
+        print(f"| {engines[quant].target.quant} | {name} | {tok / sec:.1f} | {tok / sec / base:.2f}x | "
+              f"{tok / sec / own:.2f}x | {(tok - len(lines)) / max(steps, 1):.2f} | {same}/{len(lines)} |")
+
+
+if __name__ == "__main__":
+    main()
