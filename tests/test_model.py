@@ -165,6 +165,27 @@ def test_mixtral_fused_expert_tensors_load(tmp_path):
     torch.testing.assert_close(run_ours(ours, tokens).logits, want, atol=1e-4, rtol=1e-4)
 
 
+def test_moe_dense_routing_equals_sparse():
+    """The dense expert path (used on CUDA, where graphs need fixed shapes) gives what the
+    routed path gives, and tokens route independently (a token's output is its own alone)."""
+    from eaglespec.model import MoE
+
+    model = tiny_model(tiny_config(arch="mixtral", vocab=VOCAB), seed=3)
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(12)[None].expand(2, -1)
+    with torch.no_grad():
+        sparse = model(tokens, pos, model.new_cache(12, 2)).logits
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.dense = True
+        dense = model(tokens, pos, model.new_cache(12, 2)).logits
+        moe = model.layers[0].mlp
+        x = torch.randn(1, 7, 32, generator=torch.Generator().manual_seed(1))
+        alone = torch.cat([moe(x[:, i:i + 1]) for i in range(7)], dim=1)
+        torch.testing.assert_close(moe(x), alone, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dense, sparse, atol=1e-5, rtol=1e-5)
+
+
 def test_gemma3_window_matters(tmp_path):
     """Without its window the Gemma 3 reference model gives other logits (so parity above covers it)."""
     ref = hf_model("gemma3")

