@@ -35,6 +35,8 @@ def hf_model(family: str, tie: bool = False, seed: int = 0):
         cfg, cls = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE)), tf.LlamaForCausalLM
     elif family == "mistral":
         cfg, cls = tf.MistralConfig(**common, sliding_window=None, rope_theta=1e6), tf.MistralForCausalLM
+    elif family == "mistral-window":  # Mistral 7B v0.1's sliding window (4096 there), on every layer
+        cfg, cls = tf.MistralConfig(**common, sliding_window=9, rope_theta=1e6), tf.MistralForCausalLM
     elif family == "qwen2":
         cfg, cls = tf.Qwen2Config(**common, rope_theta=1e6), tf.Qwen2ForCausalLM
     elif family == "qwen2.5":  # Qwen2.5-0.5B's shape of config: a window it does not use, max_window_layers
@@ -91,6 +93,7 @@ CASES = [
     ("mistral", True, True),
     ("qwen2", False, False),
     ("qwen2", True, True),
+    ("mistral-window", False, False),
     ("qwen2.5", True, False),
     ("qwen3", False, False),
     ("qwen3", True, True),
@@ -98,7 +101,7 @@ CASES = [
     ("mixtral", False, True),
     ("gemma3", True, False),
 ]
-ARCH = {"llama3": "llama", "qwen2.5": "qwen2"}
+ARCH = {"llama3": "llama", "qwen2.5": "qwen2", "mistral-window": "mistral"}
 
 
 @pytest.mark.parametrize("family,tie,shard", CASES, ids=[f"{f}-tie{int(t)}-shard{int(s)}" for f, t, s in CASES])
@@ -113,6 +116,7 @@ def test_logits_match_transformers(tmp_path, family, tie, shard):
     if family == "gemma3":  # window 7 < the 40 tokens below: the sliding layers really slide
         assert cfg.sliding_window == 7 and cfg.layer_types == ["sliding_attention"] * 2 + ["full_attention"]
         assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_local_theta == 1e4
+    assert cfg.sliding_window == {"gemma3": 7, "mistral-window": 9}.get(family, 0)
     if tie:
         assert ours.lm_head.weight.data_ptr() == ours.embed.weight.data_ptr()
     # Llama 3 scaling differs most far from the original window: go well past 64.
