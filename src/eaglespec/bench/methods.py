@@ -80,6 +80,11 @@ def hf_model_from(target):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = target.config
+    if c.architecture not in ("llama", "mistral", "qwen2") or c.sliding_window:
+        from ..config import ConfigError
+
+        raise ConfigError(f"the transformers baseline runs plain Llama-block targets (Llama, Mistral without a "
+                          f"window, Qwen2), not {c.architecture!r}")
     rope_scaling = None
     if c.rope_scaling is not None:
         s = c.rope_scaling
