@@ -53,7 +53,8 @@ class _Plan:
     tail: _Tail | None
 
 
-_last_plan: _Plan | None = None
+# Recent plans (a model with sliding-window layers alternates between two masks per forward).
+_plans: list[_Plan] = []
 
 
 def _leading_true(x: torch.Tensor) -> torch.Tensor:
@@ -62,9 +63,9 @@ def _leading_true(x: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(mask: torch.Tensor | None, b: int, t: int, s: int, n_kv: int, dev: torch.device) -> _Plan:
-    global _last_plan
-    if _last_plan is not None and _last_plan.mask is mask and _last_plan.shape == (b, t, s, n_kv):
-        return _last_plan
+    for p in _plans:
+        if p.mask is mask and p.shape == (b, t, s, n_kv):
+            return p
     sp = -(-s // BLOCK) * BLOCK
     if mask is None:  # every query sees every key, in place: one-token decoding
         plan = _Plan(None, (b, t, s, n_kv), None, None, None)
@@ -91,7 +92,7 @@ def _plan(mask: torch.Tensor | None, b: int, t: int, s: int, n_kv: int, dev: tor
             heads = torch.arange(b * n_kv, device=dev).view(b, n_kv, 1, 1) * (sp + 1)
             tail = _Tail(index, heads + index[:, None], nt)
         plan = _Plan(mask, (b, t, s, n_kv), ~visible[:, None, None], drop[:, None, None], tail)
-    _last_plan = plan
+    _plans[:] = [plan] + _plans[:3]
     return plan
 
 

@@ -171,9 +171,6 @@ def resolve_quant(mode: str, device: torch.device | str, dtype: torch.dtype, ggu
     return "none"
 
 
-LINEARS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")
-
-
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent), name, module)
@@ -189,16 +186,15 @@ def quantize_model(model: nn.Module, mode: str, int4_weights: dict[str, Int4Weig
     if mode == "none":
         return model
     dtype = model.dtype
-    for i in range(len(model.layers)):
-        for name in LINEARS:
-            path = f"layers.{i}.{name}"
-            lin = model.get_submodule(path)
-            given = (int4_weights or {}).get(path)
-            if mode == "int4" and (given is not None or int4_fits(lin.out_features, lin.in_features)):
-                w = given if given is not None else int4_from_float(lin.weight)
-                _set(model, path, Int4Linear(w, lin.bias, dtype))
-            elif int8_fits(lin.in_features):
-                _set(model, path, Int8Linear(lin.weight, lin.bias))
+    linears = [(f"layers.{name}", m) for name, m in model.layers.named_modules()
+               if isinstance(m, nn.Linear) and not name.endswith("router")]  # MoE routing stays float
+    for path, lin in linears:
+        given = (int4_weights or {}).get(path)
+        if mode == "int4" and (given is not None or int4_fits(lin.out_features, lin.in_features)):
+            w = given if given is not None else int4_from_float(lin.weight)
+            _set(model, path, Int4Linear(w, lin.bias, dtype))
+        elif int8_fits(lin.in_features) and lin.weight.device.type != "meta":
+            _set(model, path, Int8Linear(lin.weight, lin.bias))
     head = model.lm_head
     if int8_fits(head.in_features) and head.weight.device.type != "meta":
         # The tied embedding keeps its float table for lookups; only the product reads int8.

@@ -582,7 +582,7 @@ def load_model(model: str | ModelSource, dtype: torch.dtype = torch.float32,
         cfg = gguf_config(reader, src.path)
         kind = gguf_linear_kind(reader, cfg)
         mode = resolve_quant(quant, device, dtype, kind)
-        if mode == "int4" and kind in ("Q4_0", "Q4_1"):
+        if mode == "int4" and kind in ("Q4_0", "Q4_1") and not cfg.num_experts:  # MoE: quantised from floats
             return load_gguf_int4(reader, cfg, kind, dtype, device), src
     mode = resolve_quant(quant, device, dtype, kind)
     target, src = _load_float(src, dtype, device, use_cache)
