@@ -25,6 +25,7 @@ GGUF's Q8_0 groups of 32 become one scale per row, so those logits differ slight
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -176,10 +177,12 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), name, module)
 
 
-def quantize_model(model: nn.Module, mode: str, int4_weights: dict[str, Int4Weights] | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str,
+                   int4_weights: dict[str, Int4Weights | Callable[[], Int4Weights]] | None = None) -> nn.Module:
     """Replace the target's linear layers (and LM head) in place for `mode` ('none', 'int8', 'int4').
 
-    int4_weights: module path -> codes taken from the checkpoint as they are (a GGUF's blocks);
+    int4_weights: module path -> codes taken from the checkpoint as they are (a GGUF's blocks), or
+    a function that unpacks them when their layer's turn comes;
     other linears in int4 mode are quantised from their float weights. Shapes the kernels cannot
     take stay float (tiny test models)."""
     model.quant = mode
@@ -191,7 +194,7 @@ def quantize_model(model: nn.Module, mode: str, int4_weights: dict[str, Int4Weig
     for path, lin in linears:
         given = (int4_weights or {}).get(path)
         if mode == "int4" and (given is not None or int4_fits(lin.out_features, lin.in_features)):
-            w = given if given is not None else int4_from_float(lin.weight)
+            w = int4_from_float(lin.weight) if given is None else given() if callable(given) else given
             _set(model, path, Int4Linear(w, lin.bias, dtype))
         elif int8_fits(lin.in_features) and lin.weight.device.type != "meta":
             _set(model, path, Int8Linear(lin.weight, lin.bias))

@@ -12,6 +12,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from functools import partial
 import importlib
 import importlib.util
 from pathlib import Path
@@ -402,19 +403,26 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     )
 
 
-def _dequantize(t) -> torch.Tensor:
-    """One GGUF tensor as fp32, in PyTorch's [out, in] order."""
+def _dequantize(t, dtype: torch.dtype = torch.float32, rows: int = 2048) -> torch.Tensor:
+    """One GGUF tensor in `dtype`, in PyTorch's [out, in] order. Quantised tensors are dequantised
+    `rows` rows at a time, so the fp32 intermediate stays small (the default model's 49,152-row
+    embedding would take 113 MB at once)."""
     import gguf
 
-    try:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-    except NotImplementedError as e:
-        raise ModelLoadError(f"tensor {t.name}: quantisation {t.tensor_type.name} is not supported ({e})") from None
     shape = [int(x) for x in reversed(t.shape)]  # GGUF lists dims innermost first
-    arr = np.ascontiguousarray(arr, dtype=np.float32)
-    if not arr.flags.writeable:  # F32 data is a view of the file's read-only memory map: copy it out
-        arr = arr.copy()
-    return torch.from_numpy(arr).reshape(shape)
+    data = np.asarray(t.data)
+    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) or data.ndim < 2:
+        chunks = [data]
+    else:
+        chunks = [data[i:i + rows] for i in range(0, data.shape[0], rows)]
+    out = []
+    for chunk in chunks:
+        try:
+            arr = gguf.quants.dequantize(chunk, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"tensor {t.name}: quantisation {t.tensor_type.name} is not supported ({e})") from None
+        out.append(torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype))  # np.array: a writable copy
+    return torch.cat(out).reshape(shape) if len(out) > 1 else out[0].reshape(shape)
 
 
 def load_gguf_state(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -460,7 +468,7 @@ def load_gguf_int4(reader, cfg: ModelConfig, kind: str, dtype: torch.dtype, devi
             _, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
             raw = np.array(t.data)  # a copy: the memory map is read-only
             return torch.from_numpy(raw.reshape(raw.shape[0], -1, block_bytes))
-        return _dequantize(t)
+        return _dequantize(t, dtype)
 
     transform = unpermute_llama_cpp if cfg.architecture in ("llama", "mistral") else None
     try:
@@ -469,7 +477,8 @@ def load_gguf_int4(reader, cfg: ModelConfig, kind: str, dtype: torch.dtype, devi
         raise ModelLoadError(f"tensors do not fit the GGUF metadata: {str(e).strip().splitlines()[0]}") from None
     blocks = {k: sd.pop(k) for k in [k for k, v in sd.items() if v.dtype == torch.uint8]}
     model = build_model(cfg, sd, dtype, device, absent=frozenset(blocks))
-    codes = {k.removesuffix(".weight"): int4_from_gguf_blocks(v, kind) for k, v in blocks.items()}
+    # Unpacked lazily, one tensor at a time: all int32 codes at once would be 4 bytes a weight.
+    codes = {k.removesuffix(".weight"): partial(int4_from_gguf_blocks, v, kind) for k, v in blocks.items()}
     return quantize_model(model, "int4", codes)
 
 
