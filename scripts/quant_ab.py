@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from eaglespec.api import EagleSpec
-from eaglespec.config import TreeConfig
+from eaglespec.bench.methods import BaselineCrashed, load_llamacpp
+from eaglespec.config import SamplingConfig, TreeConfig
 from eaglespec.runtime.engine import Request
 
 
@@ -31,13 +32,32 @@ def main() -> None:
     engines = {q: EagleSpec.load(dtype="bf16", draft="default", quant=q) for q in ("none", "auto")}
     lines = [x for x in Path(args.data).read_text().splitlines() if x.strip()][: args.prompts]
     arms = [(q, None) for q in engines] + [(q, t) for q in engines for t in args.trees]
+    llamacpp, note = load_llamacpp(engines["auto"], 4096)  # a child process: a crash is reported
+    if llamacpp is None:
+        print(f"# {note}")
+    else:
+        arms.append(("llamacpp", None))
     stats = {a: [0, 0.0, 0, 0] for a in arms}  # tokens, seconds, forwards, identical answers
     for j, line in enumerate(lines):
         order = arms[j % len(arms):] + arms[: j % len(arms)]  # rotate to spread drift
         answers = {}
         for quant, tree in order:
-            e = engines[quant]
+            e = engines["auto" if quant == "llamacpp" else quant]
             ids = e.encode(json.loads(line)["turns"][0])[1]
+            if quant == "llamacpp":
+                try:
+                    out = llamacpp.run("", ids, args.max_new_tokens, SamplingConfig())
+                except BaselineCrashed as e:  # reported, not fatal
+                    print(f"# {e}")
+                    arms.remove(("llamacpp", None))
+                    del stats[("llamacpp", None)]
+                    continue
+                s = stats[(quant, tree)]
+                s[0] += len(out.token_ids)
+                s[1] += out.wall_s
+                s[2] += len(out.token_ids) - 1
+                answers[(quant, tree)] = list(out.token_ids)
+                continue
             cfg = None if tree is None else TreeConfig("eagle2", *map(int, tree.split(",")))
             r = Request(ids, "vanilla" if tree is None else "eagle2", cfg, max_new_tokens=args.max_new_tokens)
             t0 = time.perf_counter()
@@ -47,17 +67,19 @@ def main() -> None:
             s[1] += time.perf_counter() - t0
             s[2] += r.stats.steps
             answers[(quant, tree)] = list(r.pending_tokens)
-        for quant, tree in arms:
-            stats[(quant, tree)][3] += answers[(quant, tree)] == answers[(quant, None)]
+        for quant, tree in [a for a in arms if a in answers]:
+            stats[(quant, tree)][3] += answers[(quant, tree)] == answers[("auto" if quant == "llamacpp" else quant, None)]
     base = stats[("none", None)][0] / stats[("none", None)][1]
     print(f"{len(lines)} MT-bench first turns, {args.max_new_tokens} new tokens, bf16, {torch.get_num_threads()} threads")
     print("| quant | method (tree) | tokens/s | x bf16 vanilla | x same-quant vanilla | tau | identical to its vanilla |")
+    # llama.cpp's row: "same-quant vanilla" is itself; "identical" compares with our int4 vanilla.
     print("|---|---|---|---|---|---|---|")
     for quant, tree in arms:
         tok, sec, steps, same = stats[(quant, tree)]
         own = stats[(quant, None)][0] / stats[(quant, None)][1]
         name = "vanilla" if tree is None else f"eagle2 ({tree})"
-        print(f"| {engines[quant].target.quant} | {name} | {tok / sec:.1f} | {tok / sec / base:.2f}x | "
+        label = "llama.cpp (same GGUF)" if quant == "llamacpp" else engines[quant].target.quant
+        print(f"| {label} | {name} | {tok / sec:.1f} | {tok / sec / base:.2f}x | "
               f"{tok / sec / own:.2f}x | {(tok - len(lines)) / max(steps, 1):.2f} | {same}/{len(lines)} |")
 
 
