@@ -102,3 +102,15 @@ def metric_samples(text: str) -> dict[tuple, float]:
         for s in family.samples:
             out[(s.name, *sorted(s.labels.items()))] = s.value
     return out
+
+
+def oracle_engine(spec: EagleSpec, p_oracle: float = 0.7, seed: int = 0):
+    """Swap the spec's engine for one whose drafts are often the target's own tokens (a random head
+    on a tiny model drafts nothing acceptable), so accepted drafts show in streams and metrics.
+    Call before the server starts: the server drives whatever `spec.engine` is then."""
+    from spec_helpers import OracleProposer, RecordingEngine
+
+    spec.engine = RecordingEngine(
+        spec.target, spec.head, eos_ids=spec.tokenizer.eos_token_ids, decode=spec.tokenizer.decode,
+        proposer=lambda head, target, tree: OracleProposer(head, target, tree, seed, p_oracle, noise=0.1))
+    return spec

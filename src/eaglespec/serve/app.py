@@ -29,6 +29,7 @@ from .metrics import ServerMetrics
 from .schemas import ApiError, ChatCompletionRequest, CompletionRequest, SpecOptions
 from .worker import EngineWorker, Job, QueueFull
 
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context_full": "length"}
 
 
@@ -98,7 +99,9 @@ def create_app(spec: EagleSpec, settings: ServeSettings) -> FastAPI:
             return model_cls.model_validate(obj)
         except ValidationError as e:
             first = e.errors()[0]
-            param = ".".join(str(x) for x in first["loc"]) or None
+            # A union's members show in the location ('stop', 'str'): keep field names and indices only.
+            loc = [str(x) for x in first["loc"] if isinstance(x, int) or x not in TYPE_TAGS and "[" not in x]
+            param = ".".join(loc) or None
             raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
                            code="invalid_value") from None
 

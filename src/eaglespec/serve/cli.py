@@ -1,15 +1,17 @@
 """`eaglespec serve` (and `python -m eaglespec.serve`): options, model loading, uvicorn.
 
 The model, draft and tree options are generate's own (the same argparse helpers in cli.py), so an
-option added there appears here too. Importing this module imports only argparse: the server's
+option added there appears here too. Importing this module is cheap: the server's
 packages load when the command runs.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 
 
 def register(sub) -> None:
@@ -63,9 +65,32 @@ def cmd_serve(args) -> int:
                              max_waiting=args.max_waiting, max_lanes=args.max_lanes, method=args.method, tree=tree)
     print(f"# eaglespec serve: {name} ({spec.target.dtype}, {args.device}, draft {spec.head_name or 'none'}, "
           f"default method {args.method}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(spec, settings), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(create_app(spec, settings), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    _server_class()(config).run()
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, except that a SIGTERM or SIGINT that it turned into a graceful shutdown is not
+        raised again afterwards: a server that stopped cleanly exits 0, not killed by the signal."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def main(argv: list[str] | None = None) -> int:
