@@ -104,13 +104,15 @@ def metric_samples(text: str) -> dict[tuple, float]:
     return out
 
 
-def oracle_engine(spec: EagleSpec, p_oracle: float = 0.7, seed: int = 0):
+def oracle_engine(spec: EagleSpec, p_oracle: float = 0.7, noise: float = 0.1, seed: int = 0, memo: bool = False):
     """Swap the spec's engine for one whose drafts are often the target's own tokens (a random head
     on a tiny model drafts nothing acceptable), so accepted drafts show in streams and metrics.
-    Call before the server starts: the server drives whatever `spec.engine` is then."""
+    Call before the server starts: the server drives whatever `spec.engine` is then. With
+    p_oracle 1, noise 0 and memo, a row's drafts depend on its context only (not on its batch), so
+    seeded sampling gives the same answer alone and in a batch, as with a real head."""
     from spec_helpers import OracleProposer, RecordingEngine
 
     spec.engine = RecordingEngine(
         spec.target, spec.head, eos_ids=spec.tokenizer.eos_token_ids, decode=spec.tokenizer.decode,
-        proposer=lambda head, target, tree: OracleProposer(head, target, tree, seed, p_oracle, noise=0.1))
+        proposer=lambda head, target, tree: OracleProposer(head, target, tree, seed, p_oracle, noise, memo))
     return spec
