@@ -45,6 +45,12 @@ class ServerMetrics:
                               m, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("eaglespec:e2e_request_latency_seconds", "Time from submission to the last token", m,
                              buckets=LATENCY_BUCKETS, registry=r)
+        # Every series exists from the start (at 0), so a scrape before any request sees them all.
+        for metric in (self.drafts, self.draft_tokens, self.accepted, self.generation, self.prompt, self.running,
+                       self.waiting, self.ttft, self.tpot, self.e2e):
+            metric.labels(model_name)
+        for status in ("finished", "cancelled", "error", "rejected"):
+            self.requests.labels(model_name, status)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
