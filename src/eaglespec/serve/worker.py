@@ -168,6 +168,7 @@ class EngineWorker:
             log.exception("engine step failed")
         waiting = {id(r) for r in e.waiting}
         now = time.perf_counter()
+        posts: list[tuple[Job, Update]] = []
         for job in list(self._jobs.values()):
             req = job.req
             if not job.admitted and (req.done or id(req) not in waiting):
@@ -182,24 +183,28 @@ class EngineWorker:
                 self.metrics.first_token(now - req.t_submit)
             self.metrics.tokens(job, chunks, drafted)
             if req.done:
-                status = "error" if req.error else ("cancelled" if req.cancelled else "finished")
                 del self._jobs[req.id]
-                self._finish(job, status, req.error, admitted=True, chunks=chunks, drafted=drafted)
+                job.status = "error" if req.error else ("cancelled" if req.cancelled else "finished")
+                self.metrics.finished(job, job.status)
+                posts.append((job, Update(chunks, drafted, True, req.error)))
             elif chunks:
-                job.post(Update(chunks, drafted))
+                posts.append((job, Update(chunks, drafted)))
         running = sum(1 for j in self._jobs.values() if j.admitted)
         with self._cond:
             self._running = running
             self.metrics.set_queue(running, self._waiting)
+        # Handed over last, so a client that sees its answer end also sees the counts that include it.
+        for job, update in posts:
+            job.post(update)
 
-    def _finish(self, job: Job, status: str, error: BaseException | None, admitted: bool,
-                chunks: list | None = None, drafted: list | None = None) -> None:
+    def _finish(self, job: Job, status: str, error: BaseException | None, admitted: bool) -> None:
+        """End a job that never reached (or is taken out of) the engine's normal path."""
         if not admitted:
             with self._cond:
                 self._waiting -= 1
         job.status = status
         self.metrics.finished(job, status)
-        job.post(Update(chunks or [], drafted or [], True, error))
+        job.post(Update([], [], True, error))
 
     def _shutdown(self, inbox: list[Job]) -> None:
         for job in inbox:
