@@ -53,7 +53,9 @@ def cmd_serve(args) -> int:
     from .app import ServeSettings, create_app
 
     set_threads()
-    spec = EagleSpec.load(args.model, dtype=args.dtype, device=args.device)
+    # Model options that generate gains later (e.g. --quant) reach the loader here too.
+    extra = {"quant": args.quant} if getattr(args, "quant", None) is not None else {}
+    spec = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, **extra)
     spec.engine.max_batch = args.max_batch  # before any lane exists: lanes take it when made
     draft = args.draft
     if draft is None and (args.method != "vanilla" or (default_head_path(spec.source.name) / "config.json").is_file()):
