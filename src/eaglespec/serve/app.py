@@ -203,7 +203,8 @@ def create_app(spec: EagleSpec, settings: ServeSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         if not worker.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            why = "" if worker.failure is None else f": {type(worker.failure).__name__}: {worker.failure}"
+            return JSONResponse({"status": "engine stopped" + why}, status_code=503)
         running, waiting = worker.counts()
         return {"status": "ok", "running": running, "waiting": waiting}
 
