@@ -9,7 +9,7 @@ PIP    := $(VENV)/bin/pip
 # machines' disks; any other version would download a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean browser
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,11 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m eaglespec.demo
 
-test: install
+# The chat page's test drives headless Chromium from the OS packages; installed when missing.
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || sh scripts/install_browser.sh
+
+test: install browser
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:

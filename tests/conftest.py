@@ -49,21 +49,31 @@ def save_word_tokenizer(path: Path) -> dict[str, int]:
     return vocab
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_checkpoint(tmp_path_factory) -> Path:
-    """A 2-layer Llama checkpoint (safetensors + config.json + tokenizer), context window 32."""
+def build_tiny_chat(path: Path, max_positions: int) -> Path:
+    """A 2-layer Llama checkpoint (safetensors + config.json + word tokenizer with ChatML)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny_chat")
     n_vocab = len(SPECIALS) + len(WORDS)
     cfg = LlamaConfig(vocab_size=n_vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                       rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=SPECIALS.index("<|im_end|>"),
                       pad_token_id=None, tie_word_embeddings=False)
     model = randomize_(LlamaForCausalLM(cfg), seed=7)
     model.save_pretrained(str(path), safe_serialization=True)
     assert save_word_tokenizer(path)["<|im_end|>"] == cfg.eos_token_id
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory) -> Path:
+    """Context window 32."""
+    return build_tiny_chat(tmp_path_factory.mktemp("tiny_chat"), 32)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint_256(tmp_path_factory) -> Path:
+    """The same model with a context window of 256 (room for chat prompts and answers: the server)."""
+    return build_tiny_chat(tmp_path_factory.mktemp("tiny_chat_256"), 256)
 
 
 @pytest.fixture

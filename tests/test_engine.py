@@ -228,3 +228,46 @@ def test_fixed_shape_steps_repeat_the_same_ops(models):
     assert len(traces[0]) > 100
     assert all(t == traces[0] for t in traces[1:])
     assert counts  # the rows did advance
+
+
+def test_drafted_provenance_per_chunk(models):
+    """pending_drafted says, per emitted chunk, how many leading tokens were accepted drafts: 0 for
+    the prefill's token, the step's accepted count otherwise (cut where a stop cut the chunk)."""
+    from spec_helpers import OracleProposer, RecordingEngine
+
+    target, head = models
+    with single_thread():
+        engine = RecordingEngine(target, head, eos_ids=[7],
+                                 proposer=lambda h, t, c: OracleProposer(h, t, c, p_oracle=0.7, noise=0.1))
+        reqs = engine.run([Request(p, "eagle2", TREES["eagle2"], max_new_tokens=m)
+                           for p, m in zip(PROMPTS[:3], (30, 13, 25))])
+    seen_draft = 0
+    for req in reqs:
+        chunks, drafted = list(req.pending), list(req.pending_drafted)
+        assert len(chunks) == len(drafted) == req.stats.steps + 1
+        assert drafted[0] == 0 and len(chunks[0]) == 1
+        records = [rec for rec in engine.log if rec.req is req]
+        assert len(records) == req.stats.steps
+        for chunk, d, rec in zip(chunks[1:], drafted[1:], records):
+            assert d == min(rec.count - 1, len(chunk))
+        seen_draft += sum(drafted)
+    assert seen_draft > 0  # the oracle's drafts were accepted, so the test saw them
+
+
+def test_prune_lanes_drops_idle_settings_only(models):
+    """A server that takes tree settings per request bounds the lanes it keeps."""
+    target, head = models
+    with single_thread():
+        engine = Engine(target, head, eos_ids=[7])
+        trees = [TreeConfig("eagle2", total_tokens=t, depth=3, top_k=3) for t in (4, 6, 8)]
+        engine.run([Request([5, 6], "eagle2", t, max_new_tokens=3) for t in trees])
+        busy = engine.submit(Request([5, 6, 7], "vanilla", None, max_new_tokens=20))
+        engine.step()  # the vanilla request holds a row now
+        assert len(engine.lanes) == 4
+        engine.prune_lanes(2)
+        assert len(engine.lanes) == 2 and ("vanilla",) in engine.lanes
+        engine.prune_lanes(0)  # a busy lane stays whatever the limit
+        assert list(engine.lanes) == [("vanilla",)]
+        while not busy.done:
+            engine.step()
+    assert busy.pending_tokens == alone(target, head, [5, 6, 7], "vanilla", max_new_tokens=20)

@@ -87,6 +87,33 @@ class GenerationResult:
         return asdict(self)
 
 
+class Detokenizer:
+    """Token ids in, text pieces out, for a stream: the text is cut at the earliest stop string, and
+    an incomplete UTF-8 character (decoded as U+FFFD) is held back until it completes. The whole
+    answer is decoded each time, because pieces of one word can decode differently on their own."""
+
+    def __init__(self, decode, stop_strings: list[str]) -> None:
+        self.decode, self.stop = decode, list(stop_strings)
+        self.token_ids: list[int] = []
+        self.text = ""  # what has been handed out so far (the whole answer after finish())
+
+    def push(self, tokens: list[int]) -> str:
+        """Add tokens; return the new text they complete ('' while a character is incomplete)."""
+        self.token_ids.extend(tokens)
+        text = cut_at_stop_string(self.decode(self.token_ids), self.stop)
+        if text.endswith("\ufffd") or not text.startswith(self.text):
+            return ""
+        piece, self.text = text[len(self.text):], text
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text once no more tokens come (a trailing incomplete character too)."""
+        text = cut_at_stop_string(self.decode(self.token_ids), self.stop)
+        piece = text[len(self.text):] if text.startswith(self.text) else ""
+        self.text = text
+        return piece
+
+
 class Stream:
     """Iterates over text pieces as tokens are accepted; `.result` is set when it ends."""
 
@@ -99,23 +126,18 @@ class Stream:
         self.on_tokens = None  # optional callback(list[int]) for token-level consumers
 
     def __iter__(self) -> Iterator[str]:
-        decode = self._engine.tokenizer.decode
-        shown = ""
+        detok = Detokenizer(self._engine.tokenizer.decode, self._stop)
         for chunk in self._tokens:
             self.token_ids.extend(chunk)
             if self.on_tokens is not None:
                 self.on_tokens(chunk)
-            text = cut_at_stop_string(decode(self.token_ids), self._stop)
-            # Hold back an incomplete UTF-8 character (decoded as U+FFFD) until it completes.
-            if text.endswith("\ufffd"):
-                continue
-            if text.startswith(shown):
-                piece, shown = text[len(shown):], text
-                if piece:
-                    yield piece
-        text = cut_at_stop_string(decode(self.token_ids), self._stop)
-        if text.startswith(shown) and len(text) > len(shown):
-            yield text[len(shown):]
+            piece = detok.push(chunk)
+            if piece:
+                yield piece
+        piece = detok.finish()
+        if piece:
+            yield piece
+        text = detok.text
         s = self._stats
         self.result = GenerationResult(
             prompt=self._prompt, text=text, token_ids=list(self.token_ids), new_tokens=len(self.token_ids),

@@ -38,6 +38,12 @@ def add_quant_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    add_tree_args(p)
+    add_sampling_args(p)
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """Speculation options (method, head, tree): shared by generate, chat and serve."""
     p.add_argument("--method", default="vanilla", choices=["vanilla", "eagle", "eagle2"])
     p.add_argument("--draft", default=None, help="draft head: default | random | PATH (eagle/eagle2)")
     d = TreeConfig()
@@ -49,6 +55,9 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=None,
                    help=f"eagle2 children per expanded node, 1..{MAX_TREE_TOPK} (default {d.top_k})")
     p.add_argument("--tree-choices", default=None, help="eagle static tree: JSON list of paths")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -72,17 +81,22 @@ TREE_SIZES = (("--total-tokens", "total_tokens", MAX_TREE_TOKENS), ("--depth", "
 
 def check_options(args, command: str) -> None:
     """Refuse options that do not apply to this command or method (silently ignoring them misleads)."""
-    sizes = [flag for flag, name, _ in TREE_SIZES if getattr(args, name) is not None]
-    if sizes and args.method != "eagle2":
-        raise UsageError(f"{', '.join(sizes)}: tree sizes apply to --method eagle2 only, not {args.method}")
-    if args.tree_choices and args.method != "eagle":
-        raise UsageError(f"--tree-choices: a static tree applies to --method eagle only, not {args.method}")
+    check_tree_options(args)
     if args.no_chat and command == "chat":
         raise UsageError("--no-chat does not apply to chat (it always uses the chat template)")
     if args.no_chat and args.system is not None:
         raise UsageError("--system needs the chat template; it does not apply with --no-chat")
     if args.system is not None:
         check_text(args.system, "--system", empty_ok=True)
+
+
+def check_tree_options(args) -> None:
+    """Tree options given for a method they do not apply to are refused."""
+    sizes = [flag for flag, name, _ in TREE_SIZES if getattr(args, name) is not None]
+    if sizes and args.method != "eagle2":
+        raise UsageError(f"{', '.join(sizes)}: tree sizes apply to --method eagle2 only, not {args.method}")
+    if args.tree_choices and args.method != "eagle":
+        raise UsageError(f"--tree-choices: a static tree applies to --method eagle only, not {args.method}")
 
 
 def tree_from(args) -> TreeConfig | None:
@@ -303,6 +317,9 @@ def _extra_commands():
         out.append(bench_register)
     except ImportError:
         pass
+    from .serve.cli import register as serve_register  # imports only argparse; the server loads on use
+
+    out.append(serve_register)
     return out
 
 

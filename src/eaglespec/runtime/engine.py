@@ -50,6 +50,9 @@ class Request:
     id: int = 0
     # Filled in by the engine.
     pending: deque = field(default_factory=deque)  # lists of new token ids, not yet taken
+    # Parallel to `pending`: how many leading tokens of each chunk were accepted drafts (the rest
+    # came from the target: the prefill's token or a step's bonus token). Servers show it.
+    pending_drafted: deque = field(default_factory=deque)
     done: bool = False
     cancelled: bool = False
     error: BaseException | None = None
@@ -137,11 +140,12 @@ class Lane:
         self.requests[row], self.stops[row], self.lengths[row] = req, stop, n
         self._idle[row] = False
         self._sampling = None
-        self._emit(row, [first])
+        self._emit(row, [first], 0)
 
-    def _emit(self, row: int, tokens: list[int]) -> int:
+    def _emit(self, row: int, tokens: list[int], drafted: int) -> int:
         """Push a row's new tokens through its stop rules; retire it when one fires. Returns how
-        many were emitted (tokens past a stop are dropped)."""
+        many were emitted (tokens past a stop are dropped). The first `drafted` tokens were accepted
+        drafts."""
         req, stop = self.requests[row], self.stops[row]
         out, reason = [], ""
         for tok in tokens:
@@ -153,6 +157,7 @@ class Lane:
         st.new_tokens += len(out)
         st.wall_s = time.perf_counter() - req.t_submit
         req.pending.append(out)
+        req.pending_drafted.append(min(drafted, len(out)))
         if reason:
             if reason == "max_new_tokens" and req.max_new_tokens is None:
                 reason = "context_full"
@@ -222,7 +227,7 @@ class Lane:
             req = self.requests[r]
             count = host[r][-1]  # nodes kept = accepted drafts + the bonus token
             self.lengths[r] += count
-            emitted = self._emit(r, host[r][:count])
+            emitted = self._emit(r, host[r][:count], count - 1)
             req.stats.record_step(emitted, count - 1, self.step_fn.budget, times.draft_s, times.verify_s)
 
 
@@ -296,6 +301,16 @@ class Engine:
                     req.stats.stop_reason = req.stats.stop_reason or "cancelled"
                     lane.retire(lane.requests.index(req))
 
+    def prune_lanes(self, keep: int) -> None:
+        """Drop idle lanes (and their caches) while more than `keep` exist: a server that takes a
+        tree setting per request would otherwise keep one lane per setting ever seen."""
+        with self.lock:
+            needed = {r.lane_key for r in self.waiting}
+            for key in [k for k, lane in self.lanes.items() if not lane.active and k not in needed]:
+                if len(self.lanes) <= keep:
+                    break
+                del self.lanes[key]
+
     def _lane(self, req: Request) -> Lane:
         key = req.lane_key
         if key not in self.lanes:
@@ -313,18 +328,21 @@ class Engine:
         """Admit what fits, then advance every lane by one step. False when there is nothing to do."""
         with self.lock:
             still: deque[Request] = deque()
-            while self.waiting:
-                req = self.waiting.popleft()
-                lane = self._lane(req)
-                if not lane.has_room():
-                    still.append(req)
-                    continue
-                try:
-                    lane.admit(req)
-                except BaseException as err:  # a failed prefill fails its request, not the engine
-                    req.error, req.done = err, True
-                    raise
-            self.waiting = still
+            try:
+                while self.waiting:
+                    req = self.waiting.popleft()
+                    lane = self._lane(req)
+                    if not lane.has_room():
+                        still.append(req)
+                        continue
+                    try:
+                        lane.admit(req)
+                    except BaseException as err:  # a failed prefill fails its request, not the engine
+                        req.error, req.done = err, True
+                        raise
+            finally:  # requests passed over before a failed prefill keep their place in the queue
+                still.extend(self.waiting)
+                self.waiting = still
             busy = [lane for lane in self.lanes.values() if lane.active]
             for lane in busy:
                 try:
@@ -347,6 +365,7 @@ class Engine:
                         self.step()
                     items = list(req.pending)
                     req.pending.clear()
+                    req.pending_drafted.clear()
                     done = req.done
                 if req.error is not None:
                     raise req.error
