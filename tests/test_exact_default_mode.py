@@ -1,7 +1,7 @@
 """Greedy speculative output is token-identical to vanilla in the default mode (bf16, --quant auto:
 the GGUF's 4-bit weights), not only in fp32: 21 MT-bench / GSM8K / HumanEval prompts with eagle2
-and the shipped head, a third of them with eagle (its 26-node static tree) and a third with the
-random head.
+and the shipped head (the mode's default tree, and an 8-node one), a third of them with eagle (its
+26-node static tree) and a third with the random head.
 
 This rests on row invariance (tests/test_row_invariance.py); before it, 2 of 8 held-out prompts
 came out identical in bf16."""
@@ -12,11 +12,13 @@ import pytest
 
 from eaglespec.api import EagleSpec
 from eaglespec.bench.datasets import DatasetError, load_dataset
+from eaglespec.config import TreeConfig
 from eaglespec.quant import greedy_exact
 from eaglespec.weights import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
 TOKENS = 24
+EIGHT = TreeConfig("eagle2", total_tokens=8, depth=3, top_k=4)
 FALLBACK = ["Why is the sky blue?", "Write a limerick about a cat.", "What is 12 * 13?",
             "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n", "List three uses of copper.",
             "Explain recursion to a child.", "Summarise the plot of Hamlet in two sentences."]
@@ -57,7 +59,8 @@ def test_default_mode_claims_exactness(engine):
 def test_speculative_equals_vanilla_in_bf16(engine, random_head, dataset, i, prompt):
     van = engine.generate(prompt, method="vanilla", max_new_tokens=TOKENS).token_ids
     assert engine.generate(prompt, method="eagle2", max_new_tokens=TOKENS).token_ids == van
+    assert engine.generate(prompt, method="eagle2", max_new_tokens=TOKENS, tree=EIGHT).token_ids == van
     if i % 3 == 0:
         assert engine.generate(prompt, method="eagle", max_new_tokens=TOKENS).token_ids == van
     if i % 3 == 1:
-        assert random_head.generate(prompt, method="eagle2", max_new_tokens=TOKENS).token_ids == van
+        assert random_head.generate(prompt, method="eagle2", max_new_tokens=TOKENS, tree=EIGHT).token_ids == van

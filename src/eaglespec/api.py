@@ -16,7 +16,7 @@ from typing import Iterator, Union
 
 import torch
 
-from .config import ConfigError, SamplingConfig, TreeConfig
+from .config import ConfigError, SamplingConfig, TreeConfig, default_tree
 from .draft import DraftHead, init_random_head, load_head
 from .runtime.engine import Engine, Request
 from .runtime.request import GenerationStats, check_request, check_text, cut_at_stop_string
@@ -236,7 +236,7 @@ class EagleSpec:
             with self.engine.lock:
                 if self.head is None:
                     self.set_draft("default")
-            tree = tree or TreeConfig(method=method)
+            tree = tree or default_tree(method, self.target.quant)
             if tree.method != method:
                 tree = TreeConfig(method=method, total_tokens=tree.total_tokens, depth=tree.depth,
                                   top_k=tree.top_k, choices=tree.choices)

@@ -175,8 +175,10 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 DECODE_KERNEL = "exact"
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Route one attention call (shapes as `grouped_attention`; mask [T, S] or [B, 1, T, S])."""
-    if q.shape[2] <= DECODE_ROWS and q.device.type == "cpu" and DECODE_KERNEL != "sdpa":
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           exact: bool = True) -> torch.Tensor:
+    """Route one attention call (shapes as `grouped_attention`; mask [T, S] or [B, 1, T, S]).
+    exact=False (draft heads): the flash kernel, as for long blocks."""
+    if exact and q.shape[2] <= DECODE_ROWS and q.device.type == "cpu" and DECODE_KERNEL != "sdpa":
         return (grouped_attention if DECODE_KERNEL == "exact" else plain_attention)(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])

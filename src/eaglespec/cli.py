@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .config import MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_TREE_TOPK, SamplingConfig, TreeConfig
+from .config import MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_TREE_TOPK, QUANT_TREE, SamplingConfig, TreeConfig
 from .files import read_text_limited
 from .quant import QUANT_MODES
 from .runtime.request import GenerationError, check_text
@@ -49,11 +49,13 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     d = TreeConfig()
     # Default None: an option given where it does not apply is refused, not silently ignored.
     p.add_argument("--total-tokens", type=int, default=None,
-                   help=f"eagle2 tree size incl. root, 1..{MAX_TREE_TOKENS} (default {d.total_tokens})")
+                   help=f"eagle2 tree size incl. root, 1..{MAX_TREE_TOKENS} (default {d.total_tokens}; "
+                        f"{QUANT_TREE['total_tokens']} under --quant int4/int8)")
     p.add_argument("--depth", type=int, default=None,
-                   help=f"eagle2 drafting depth, 1..{MAX_TREE_DEPTH} (default {d.depth})")
+                   help=f"eagle2 drafting depth, 1..{MAX_TREE_DEPTH} (default {d.depth}; {QUANT_TREE['depth']} quantised)")
     p.add_argument("--topk", type=int, default=None,
-                   help=f"eagle2 children per expanded node, 1..{MAX_TREE_TOPK} (default {d.top_k})")
+                   help=f"eagle2 children per expanded node, 1..{MAX_TREE_TOPK} (default {d.top_k}; "
+                        f"{QUANT_TREE['top_k']} quantised)")
     p.add_argument("--tree-choices", default=None, help="eagle static tree: JSON list of paths")
 
 
@@ -113,7 +115,8 @@ def tree_from(args) -> TreeConfig | None:
             kw["top_k" if name == "topk" else name] = value
     if args.tree_choices:
         kw["choices"] = load_choices(args.tree_choices)
-    return TreeConfig(method=args.method, **kw)
+    # None: the engine's default for the target (config.default_tree: smaller under --quant int4/int8)
+    return TreeConfig(method=args.method, **kw) if kw else None
 
 
 @dataclass

@@ -307,3 +307,17 @@ class TreeConfig:
         if len(self.choices) + 1 > MAX_TREE_TOKENS or max(map(len, self.choices), default=0) > MAX_TREE_DEPTH:
             raise ValueError(f"tree choices must have at most {MAX_TREE_TOKENS - 1} paths of length at most "
                              f"{MAX_TREE_DEPTH}, got {len(self.choices)} paths")
+
+
+# eagle2's tree when the target runs the int4 / int8 CPU kernels: those cost about their row count
+# (a 4-row block at a time), so only a one-draft chain pays (measured on MT-bench with the shipped
+# head, scripts/quant_ab.py: (2, 1, 1) 1.32x the int4 vanilla, (8, 3, 4) 0.70x; README,
+# "Quantised weights and exact bf16 output").
+QUANT_TREE = {"total_tokens": 2, "depth": 1, "top_k": 1}
+
+
+def default_tree(method: str, quant: str = "none") -> TreeConfig:
+    """The tree a request gets when it names none: QUANT_TREE for eagle2 on quantised targets."""
+    if method == "eagle2" and quant in ("int4", "int8"):
+        return TreeConfig(method, **QUANT_TREE)
+    return TreeConfig(method)

@@ -20,7 +20,7 @@ draft, and tree drafts are deterministic (q = 1), which holds for any candidate 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ class DraftHead(nn.Module):
         self.bias = bias
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=bias)
         self.layer = DecoderLayer(cfg, input_norm=False)
+        self.layer.attn.exact_decode = False  # proposals need no bitwise reproducibility across shapes
         self.rotary = Rotary(cfg)
         # [Vd] target ids the draft may propose (sorted), or None for the full vocabulary.
         self.register_buffer("vocab", None)

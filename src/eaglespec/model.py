@@ -93,6 +93,9 @@ class Attention(nn.Module):
         qkv_out = (self.n_heads + 2 * self.n_kv) * self.hd
         self.wqkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        # Decode-shaped calls take the row-invariant kernel (attention.py); a draft head, which
+        # only proposes, turns it off.
+        self.exact_decode = True
         # Qwen3 / Gemma 3: RMSNorm over each head's query and key (before RoPE).
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -130,7 +133,7 @@ class Attention(nn.Module):
             k_all, v_all = k, v
         else:
             k_all, v_all = cache.write(layer, k, v)  # [B, nkv, S, hd], S = cached + T
-        y = attend(q, k_all, v_all, mask)
+        y = attend(q, k_all, v_all, mask, self.exact_decode)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
 
 

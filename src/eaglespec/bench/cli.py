@@ -10,7 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..config import TreeConfig
+from ..config import TreeConfig, default_tree
 from ..cli import add_quant_arg
 from ..files import atomic_write_text
 from ..weights import DEFAULT_MODEL
@@ -43,10 +43,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--device", default="cpu")
     add_quant_arg(p)
-    d = TreeConfig()
-    p.add_argument("--total-tokens", type=int, default=d.total_tokens, help="eagle2 tree size incl. root")
-    p.add_argument("--depth", type=int, default=d.depth, help="eagle2 drafting depth")
-    p.add_argument("--topk", type=int, default=d.top_k, help="eagle2 children per expanded node")
+    p.add_argument("--total-tokens", type=int, default=None, help="eagle2 tree size incl. root (default: "
+                   "the engine's, config.default_tree)")
+    p.add_argument("--depth", type=int, default=None, help="eagle2 drafting depth")
+    p.add_argument("--topk", type=int, default=None, help="eagle2 children per expanded node")
     p.add_argument("--tree-choices", default=None, help="eagle static tree: JSON list of paths")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
@@ -70,10 +70,13 @@ def cmd_bench(args) -> int:
     names = args.datasets if args.datasets is not None else ([] if args.data else list(DATASETS))
     paths = {k: v for k, v in (("mt_bench", args.mt_bench), ("gsm8k", args.gsm8k)) if v}
     items = load_datasets(names, limit=args.limit, categories=args.categories, paths=paths, data=args.data)
-    kw = {"choices": load_choices(args.tree_choices)} if args.tree_choices else {}
-    tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, top_k=args.topk, **kw)
     set_threads()
     engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    base = default_tree("eagle2", engine.target.quant)
+    kw = {"choices": load_choices(args.tree_choices)} if args.tree_choices else {}
+    tree = TreeConfig(total_tokens=base.total_tokens if args.total_tokens is None else args.total_tokens,
+                      depth=base.depth if args.depth is None else args.depth,
+                      top_k=base.top_k if args.topk is None else args.topk, **kw)
     if any(m in ("eagle", "eagle2") for m in args.methods) or args.alpha:
         engine.set_draft(args.draft)
     if args.batch_size is not None:

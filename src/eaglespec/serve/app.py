@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import Detokenizer, EagleSpec
-from ..config import SamplingConfig, TreeConfig
+from ..config import SamplingConfig, TreeConfig, default_tree
 from ..runtime.engine import Request
 from .metrics import ServerMetrics
 from .schemas import ApiError, ChatCompletionRequest, CompletionRequest, SpecOptions
@@ -117,7 +117,8 @@ def create_app(spec: EagleSpec, settings: ServeSettings) -> FastAPI:
         if spec.head is None:
             raise ApiError(400, f"method {method} needs a draft head; this server has none (start it with --draft)",
                            param="eaglespec.method")
-        base = settings.tree if settings.tree is not None and settings.tree.method == method else TreeConfig(method)
+        base = settings.tree if settings.tree is not None and settings.tree.method == method else \
+            default_tree(method, spec.target.quant)
         if not sizes:
             return method, base
         return method, TreeConfig("eagle2", total_tokens=sizes.get("total_tokens", base.total_tokens),
