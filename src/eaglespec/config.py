@@ -310,8 +310,8 @@ class TreeConfig:
 
 
 # eagle2's tree when the target runs the int4 / int8 CPU kernels: those cost about their row count
-# (a 4-row block at a time), so only a one-draft chain pays (measured on MT-bench with the shipped
-# head, scripts/quant_ab.py: (2, 1, 1) 1.32x the int4 vanilla, (8, 3, 4) 0.70x; README,
+# (a 4-row block at a time), so a bigger tree loses to vanilla (measured on MT-bench with the
+# shipped head, scripts/quant_ab.py: (2, 1, 1) 1.02x the int4 vanilla, (8, 3, 4) 0.73x; README,
 # "Quantised weights and exact bf16 output").
 QUANT_TREE = {"total_tokens": 2, "depth": 1, "top_k": 1}
 
