@@ -120,11 +120,17 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], fp32 scales [N]): symmetric, per output row."""
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scales
+def quantize_rows_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scales [N]): symmetric, per output row. `rows` rows at a
+    time: the fp32 intermediates of a whole 49,152-row LM head would take ~450 MB at once."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32)
+    for a in range(0, weight.shape[0], rows):
+        w = weight[a:a + rows].detach().float()
+        s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q[a:a + rows] = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)  # w may be the weight itself
+        scales[a:a + rows] = s
+    return q.to(weight.device), scales.to(weight.device)
 
 
 class Int8Linear(nn.Module):
@@ -182,7 +188,8 @@ def quantize_model(model: nn.Module, mode: str,
     """Replace the target's linear layers (and LM head) in place for `mode` ('none', 'int8', 'int4').
 
     int4_weights: module path -> codes taken from the checkpoint as they are (a GGUF's blocks), or
-    a function that unpacks them when their layer's turn comes;
+    a function that unpacks them when their layer's turn comes (entries are removed as they are
+    used, so their blocks can go);
     other linears in int4 mode are quantised from their float weights. Shapes the kernels cannot
     take stay float (tiny test models)."""
     model.quant = mode
@@ -192,7 +199,7 @@ def quantize_model(model: nn.Module, mode: str,
     linears = [(f"layers.{name}", m) for name, m in model.layers.named_modules()
                if isinstance(m, nn.Linear) and not name.endswith("router")]  # MoE routing stays float
     for path, lin in linears:
-        given = (int4_weights or {}).get(path)
+        given = (int4_weights or {}).pop(path, None)  # popped: its blocks go once packed
         if mode == "int4" and (given is not None or int4_fits(lin.out_features, lin.in_features)):
             w = int4_from_float(lin.weight) if given is None else given() if callable(given) else given
             _set(model, path, Int4Linear(w, lin.bias, dtype))

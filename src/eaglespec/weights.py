@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from functools import partial
 import importlib
@@ -466,8 +467,10 @@ def load_gguf_int4(reader, cfg: ModelConfig, kind: str, dtype: torch.dtype, devi
             return None
         if t.tensor_type.name == kind:  # [N, K / 32 * bytes] -> [N, K / 32, bytes]
             _, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
-            raw = np.array(t.data)  # a copy: the memory map is read-only
-            return torch.from_numpy(raw.reshape(raw.shape[0], -1, block_bytes))
+            raw = np.asarray(t.data)  # the file's read-only memory map: read, never written
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                return torch.from_numpy(raw.reshape(raw.shape[0], -1, block_bytes))
         return _dequantize(t, dtype)
 
     transform = unpermute_llama_cpp if cfg.architecture in ("llama", "mistral") else None
@@ -477,8 +480,10 @@ def load_gguf_int4(reader, cfg: ModelConfig, kind: str, dtype: torch.dtype, devi
         raise ModelLoadError(f"tensors do not fit the GGUF metadata: {str(e).strip().splitlines()[0]}") from None
     blocks = {k: sd.pop(k) for k in [k for k, v in sd.items() if v.dtype == torch.uint8]}
     model = build_model(cfg, sd, dtype, device, absent=frozenset(blocks))
-    # Unpacked lazily, one tensor at a time: all int32 codes at once would be 4 bytes a weight.
+    # Unpacked lazily, one tensor at a time (all int32 codes at once would be 4 bytes a weight),
+    # and each tensor's blocks freed once packed.
     codes = {k.removesuffix(".weight"): partial(int4_from_gguf_blocks, v, kind) for k, v in blocks.items()}
+    del blocks, sd
     return quantize_model(model, "int4", codes)
 
 
