@@ -528,3 +528,10 @@ class RecordingEngine(Engine):
 def engine_tokens(req: Request) -> list[int]:
     """A request's output so far (Engine.run leaves every chunk pending)."""
     return req.pending_tokens
+
+
+def cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
+    """A run's tokens up to and including the first EOS (what a run that stops at EOS emits)."""
+    if eos is None or eos not in tokens:
+        return tokens
+    return tokens[: tokens.index(eos) + 1]

@@ -38,7 +38,7 @@ from eaglespec.spec.rng import BONUS, draw, uniforms
 from eaglespec.spec.sampling import row_probabilities
 from eaglespec.spec.tree import acceptance_from_path
 
-from spec_helpers import (OracleProposer, RecordingEngine, check_stats, chi_square_pvalue, engine_tokens,
+from spec_helpers import (OracleProposer, RecordingEngine, check_stats, chi_square_pvalue, cut_at_eos, engine_tokens,
                           exact_sequence_probs, run_generate, sharp_random_head, single_thread)
 from tiny import FAMILIES, tiny_config, tiny_model
 
@@ -64,12 +64,6 @@ def oracle_engine(target, seed: int = 0, p_oracle: float = 0.5, noise: float = 0
                   **kw) -> RecordingEngine:
     head = sharp_random_head(target.config, seed=seed + 1)
     return RecordingEngine(target, head, proposer=oracle(seed, p_oracle, noise, memo), **kw)
-
-
-def cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
-    if eos is None or eos not in tokens:
-        return tokens
-    return tokens[: tokens.index(eos) + 1]
 
 
 # --- (a) greedy, fuzzed: several requests in one batch ------------------------------------------

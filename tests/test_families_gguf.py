@@ -20,6 +20,7 @@ from conftest import randomize_
 from eaglespec.config import ConfigError
 from eaglespec.weights import load_model
 from test_weights import encode, llama_cpp_permute, qtypes
+from tiny import logits_of
 
 VOCAB, HIDDEN, INTER = 64, 256, 256
 ATTN = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -138,10 +139,7 @@ TOKENS = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_see
 
 
 def logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        if hasattr(model, "new_cache"):
-            return model(TOKENS, torch.arange(TOKENS.shape[1])[None], model.new_cache(TOKENS.shape[1])).logits
-        return model(TOKENS).logits
+    return logits_of(model, TOKENS)
 
 
 CASES = [("qwen3", False), ("mixtral", False), ("mixtral", True), ("gemma3", False)]

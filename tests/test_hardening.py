@@ -27,7 +27,7 @@ from eaglespec.train.features import dump_features, shard_path
 from eaglespec.train.loop import SampleStore, TrainConfig, train
 
 from test_cli import assert_error, gen, records, run
-from test_train_loop import fresh_head, make_samples, target_model
+from test_train_loop import Killed, die_in_loss_call, fresh_head, make_samples, target_model
 
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
@@ -306,10 +306,6 @@ def tiny_store(tmp_path_factory):
     return target, SampleStore([shard_path(d, i) for i in range(3)]), list(range(20)), list(range(20, 24))
 
 
-class Killed(Exception):
-    pass
-
-
 CFG = TrainConfig(lr=3e-3, warmup_steps=2, max_steps=5, checkpoint_every=2, eval_every=0, batch_tokens=96, seed=1)
 
 
@@ -328,15 +324,7 @@ def test_9_training_inputs(capsys, tmp_path, tiny_store, monkeypatch):
     # --resume with no checkpoint says so; killed in step 4 after the step-2 checkpoint, the resumed
     # run logs steps 3.. once (the records after the checkpoint are dropped, then retaken).
     target, store, train_ids, val_ids = tiny_store
-    real_loss, calls = loop.eagle_loss, [0]
-
-    def dying_loss(*a, **k):
-        calls[0] += 1
-        if calls[0] == 4:
-            raise Killed
-        return real_loss(*a, **k)
-
-    monkeypatch.setattr(loop, "eagle_loss", dying_loss)
+    real_loss = die_in_loss_call(monkeypatch, 4)
     with pytest.raises(Killed):
         train(fresh_head(target), target, store, train_ids, val_ids, tmp_path / "b", CFG, resume=True,
               progress=False)

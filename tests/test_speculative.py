@@ -21,7 +21,7 @@ from eaglespec.draft import Drafter, init_random_head
 from eaglespec.generate import GenerationError, generate_tokens
 from eaglespec.tree import static_layout
 
-from spec_helpers import VerifyRecorder, check_stats, oracle_drafter, run_generate, single_thread
+from spec_helpers import VerifyRecorder, check_stats, cut_at_eos, oracle_drafter, run_generate, single_thread
 from tiny import tiny_config, tiny_model
 
 CHOICE_SETS = {
@@ -30,12 +30,6 @@ CHOICE_SETS = {
     "small": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
     "wide": [[0], [1], [2], [3], [4], [5], [0, 0], [5, 0], [5, 0, 0]],
 }
-
-
-def cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
-    if eos is None or eos not in tokens:
-        return tokens
-    return tokens[: tokens.index(eos) + 1]
 
 
 # --- (a) fuzzed on tiny random models -----------------------------------------------------------

@@ -216,6 +216,20 @@ class Killed(Exception):
     pass
 
 
+def die_in_loss_call(monkeypatch, n: int):
+    """Make the n-th call of the training loss raise Killed (a kill mid-step); returns the real loss."""
+    real_loss, calls = loop.eagle_loss, [0]
+
+    def dying_loss(*a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            raise Killed
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(loop, "eagle_loss", dying_loss)
+    return real_loss
+
+
 def test_resume_matches_uninterrupted_run(tmp_path, tiny_setup, monkeypatch):
     """Kill (an exception out of the loss) in the middle of step 5; the last checkpoint is step 3;
     --resume must replay steps 4..8 exactly as the uninterrupted run took them: same batches
@@ -231,16 +245,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, tiny_setup, monkeypatch):
     head_a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)["head"]
     assert straight.step == 8 and straight.epoch >= 1
 
-    real_loss = loop.eagle_loss
-    calls = [0]
-
-    def dying_loss(*a, **k):
-        calls[0] += 1
-        if calls[0] == 5:
-            raise Killed
-        return real_loss(*a, **k)
-
-    monkeypatch.setattr(loop, "eagle_loss", dying_loss)
+    real_loss = die_in_loss_call(monkeypatch, 5)
     with pytest.raises(Killed):
         train(fresh_head(target), target, store, train_ids, val_ids, tmp_path / "b", cfg, progress=False)
     monkeypatch.setattr(loop, "eagle_loss", real_loss)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+import tiny
 from conftest import randomize_
 from eaglespec import weights as W
 from eaglespec.config import ConfigError
@@ -150,10 +151,7 @@ TOKENS = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_see
 
 
 def logits_of(model) -> torch.Tensor:
-    with torch.no_grad():
-        if hasattr(model, "new_cache"):
-            return model(TOKENS, torch.arange(TOKENS.shape[1])[None], model.new_cache(TOKENS.shape[1])).logits
-        return model(TOKENS).logits
+    return tiny.logits_of(model, TOKENS)
 
 
 def assert_matches(ours, ref) -> None:

@@ -51,3 +51,11 @@ def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, dtype: torch.dtype
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of `tokens` ([1, T]) from our Transformer (a fresh cache) or a transformers model."""
+    with torch.no_grad():
+        if hasattr(model, "new_cache"):
+            return model(tokens, torch.arange(tokens.shape[1])[None], model.new_cache(tokens.shape[1])).logits
+        return model(tokens).logits

@@ -62,7 +62,6 @@ class Int4Weights:
 
     def dequantize(self) -> torch.Tensor:
         """The float weights these codes stand for, [N, K] fp32."""
-        n, k = self.q.shape
         s = self.scale.repeat_interleave(GROUP, dim=1)
         z = self.zero.repeat_interleave(GROUP, dim=1)
         return (self.q - 8).float() * s + z
