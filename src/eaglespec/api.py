@@ -269,6 +269,9 @@ def check_messages(messages) -> Messages:
 
 
 def set_threads() -> None:
-    """Use every core for intra-op work unless the user chose (OMP_NUM_THREADS)."""
+    """Use every core this process may run on for intra-op work unless the user chose
+    (OMP_NUM_THREADS). The affinity mask, not the machine's count: under `taskset` or a cgroup
+    cpuset, threads beyond it share cores, and a descheduled OpenMP thread stalls every region."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(os.cpu_count() or 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(cores or 1)

@@ -40,8 +40,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=64, help="conversations per feature shard")
     p.add_argument("--online", action="store_true", help="compute features inside the loop instead of dumping")
     p.add_argument("--regenerate", action="store_true",
-                   help="replace assistant turns with the target's own greedy answers before training")
-    p.add_argument("--regenerate-max-tokens", type=int, default=256)
+                   help="replace assistant turns with the target's own answers before training "
+                        "(out/regenerated.jsonl; `eaglespec regenerate` makes such a file on its own)")
+    p.add_argument("--regenerate-max-tokens", type=int, default=512, help="tokens per regenerated answer")
+    p.add_argument("--regenerate-temperature", type=float, default=0.0, help="0: greedy answers")
+    p.add_argument("--regenerate-batch", type=int, default=32, help="answers decoded together")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="reduced draft vocabulary: the N most frequent answer tokens (0 = the target's full vocabulary)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True, help="fc bias (EAGLE-1/2: yes)")
@@ -82,17 +85,27 @@ def usable_conversations(args, rank: int):
                         f"assistant reply to a user turn): {report.summary()}")
     if rank == 0:
         print(report.summary(), file=sys.stderr)
-    return report.conversations[: args.max_conversations] if args.max_conversations else report.conversations
+    skip = getattr(args, "skip", 0)
+    convs = report.conversations[skip:]
+    if not convs:
+        raise DataError(f"--skip {skip} leaves none of the {len(report.conversations):,} usable conversations")
+    return convs[: args.max_conversations] if args.max_conversations else convs
 
 
 def build_samples(engine, args, convs, rank: int):
     from .data import DataError, split_train_val, tokenize_conversation
 
     if args.regenerate:
-        from .regenerate import regenerate
+        from .regenerate import RegenConfig, load_regenerated, regenerate
 
-        convs = regenerate(engine, convs, Path(args.out) / "regenerated.jsonl", args.regenerate_max_tokens,
-                           progress=not args.no_progress and rank == 0)
+        path = Path(args.out) / "regenerated.jsonl"
+        cfg = RegenConfig(args.regenerate_max_tokens, args.max_length, args.regenerate_temperature,
+                          seed=args.seed, batch=args.regenerate_batch)
+        if rank == 0:
+            print(regenerate(engine, convs, path, cfg, progress=not args.no_progress).summary(), file=sys.stderr)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            torch.distributed.barrier()
+        convs = load_regenerated(path, convs)
     hf = engine.tokenizer.hf
     samples = [tokenize_conversation(hf, c, args.max_length) for c in convs]
     samples = [s for s in samples if s.num_loss_tokens > 0 and len(s) > 1]
@@ -171,10 +184,51 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_regenerate(args) -> int:
+    from ..api import EagleSpec, set_threads
+    from .regenerate import RegenConfig, regenerate
+
+    set_threads()
+    cfg = RegenConfig(args.max_new_tokens, args.max_length, args.temperature, args.top_p, args.seed, args.batch)
+    convs = usable_conversations(args, 0)
+    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    report = regenerate(engine, convs, Path(args.out), cfg, progress=not args.no_progress)
+    print(report.summary(), file=sys.stderr)
+    return 0
+
+
+def add_regenerate_args(p: argparse.ArgumentParser) -> None:
+    from ..quant import QUANT_MODES
+    from ..weights import DEFAULT_MODEL
+
+    from .regenerate import RegenConfig
+
+    d = RegenConfig()
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    p.add_argument("--quant", default="none", choices=list(QUANT_MODES),
+                   help="target weights (default none: batched decoding is fastest in the float dtype)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--data", default=None, help="ShareGPT json/jsonl or OpenAI messages jsonl (default: packaged ShareGPT)")
+    p.add_argument("--out", required=True, help="output jsonl (appended to; a rerun resumes)")
+    p.add_argument("--skip", type=int, default=0, help="start after the first N usable conversations")
+    p.add_argument("--max-conversations", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per answer")
+    p.add_argument("--max-length", type=int, default=d.max_length, help="tokens per conversation")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--batch", type=int, default=d.batch, help="answers decoded together")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def register(sub) -> None:
     p = sub.add_parser("train", help="train an EAGLE draft head (features, loss, checkpoints, resume)")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("regenerate", help="rewrite a dataset's answers with the target itself (batched, resumable)")
+    add_regenerate_args(p)
+    p.set_defaults(func=cmd_regenerate)
 
 
 def main(argv: list[str] | None = None) -> int:
