@@ -421,3 +421,41 @@ def test_set_draft_and_cli(tmp_path, tiny_chat_checkpoint, isolated_cache, capsy
     out = capsys.readouterr().out
     assert rc == 0
     assert json.loads(out.strip().splitlines()[-1])["token_ids"] == want
+
+
+def test_bench_runs_an_eagle3_head(tmp_path, tiny_chat_checkpoint_256, isolated_cache, capsys):
+    """`eaglespec bench --draft PATH` with an EAGLE-3 head: eagle and eagle2 rows, no lossless mismatch."""
+    from eaglespec.cli import main
+
+    ckpt = tiny_chat_checkpoint_256
+    cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+    save_head(init_random_head(cfg, seed=4, kind="eagle3", draft_vocab=12), tmp_path / "h3")
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "the cat sat on the mat"}) + "\n"
+                    + json.dumps({"question": "how big is the sun"}) + "\n")
+    rc = main(["bench", "--model", str(ckpt), "--dtype", "fp32", "--data", str(data), "--methods",
+               "vanilla,eagle,eagle2", "--draft", str(tmp_path / "h3"), "--max-new-tokens", "8",
+               "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert res["mismatches"] == []
+    assert {r["method"] for r in res["rows"]} == {"vanilla", "eagle", "eagle2"}
+    assert all(r["same_as_vanilla"] for r in res["rows"] if r["method"] != "vanilla")
+
+
+def test_own_drafts_are_accepted_greedy(tmp_path):
+    """Greedy on an 8-token target: the EAGLE-3 head's own drafts (no oracle) are accepted often
+    enough that tau > 1, and the output is vanilla's."""
+    cfg = tiny_config(vocab=8, hidden=16, layers=1, heads=2, kv_heads=1, inter=32)
+    small = tiny_model(cfg, seed=1, scale=2.0)
+    head = load_head(write_head(tmp_path, released_config(cfg, 5, layers=(0, 0, 0)),
+                                released_tensors(cfg, [0, 2, 3, 5, 7], seed=4, scale=3.0)), cfg)
+    prompts = [[1, 2, 3, 4], [7], [5, 5, 0, 2, 6]]
+    with single_thread():
+        refs = [run_generate(small, p, max_new_tokens=40).tokens for p in prompts]
+        reqs = RecordingEngine(small, head).run([Request(p, "eagle2", TREES["eagle2"], max_new_tokens=40)
+                                                 for p in prompts])
+    assert [engine_tokens(r) for r in reqs] == refs
+    accepted = [a - 1 for r in reqs for a in r.stats.accept_lengths]
+    assert sum(accepted) / len(accepted) > 0.1, accepted

@@ -1,4 +1,13 @@
-"""The EAGLE-1/2 draft head and the drafter that grows trees with it.
+"""The EAGLE-1/2 draft head, checkpoints of either head kind, and the drafter that grows trees.
+
+Two head kinds share one small protocol, so Proposer, SpecStep, the engine and Drafter run both:
+`target_layers` (None: the target's final normed features; EAGLE-3: the layers whose entering
+hidden states it fuses), `target_features(out)` (the per-token feature input from a target
+forward), `fuse` (target features -> hidden), `step(embeds, hidden, positions, cache, mask)`
+(one head forward; deeper tree nodes pass their parent's output as hidden), `forward` (step over
+fused target features: committed pairs), `readout` (what the LM head reads), `lm_weight` and
+`to_target_ids` (top-k over the head's vocabulary, returned as target ids). The EAGLE-3 head
+lives in eagle3.py; `load_head` detects the kind of a checkpoint.
 
 Head: z = fc(concat(embed(x[t+1]), f[t])), then one Llama decoder layer without its input norm
 -> predicted feature f^[t+1] -> the target's LM head. Embedding and LM head belong to the target

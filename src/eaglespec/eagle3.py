@@ -35,7 +35,11 @@ def default_target_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 def check_target_layers(layers, num_layers: int) -> tuple[int, ...]:
-    layers = tuple(int(i) for i in layers)
+    """The layer ids as a tuple, or ConfigError when one is not a layer of the target."""
+    try:
+        layers = tuple(int(i) for i in layers)
+    except (TypeError, ValueError):
+        raise ConfigError(f"EAGLE-3 target layers must be a list of layer ids, got {layers!r}") from None
     if not layers or any(not 0 <= i < num_layers for i in layers):
         raise ConfigError(f"EAGLE-3 target layers {list(layers)} must be ids in [0, {num_layers}) "
                           f"(hidden states entering those layers of a {num_layers}-layer target)")
@@ -76,7 +80,8 @@ class Eagle3Head(nn.Module):
         # EAGLE-3 heads are dense Llama blocks without biases whatever the target.
         cfg = replace(cfg.head_config(), architecture="llama", qkv_bias=False)
         if not 1 <= draft_vocab <= cfg.vocab_size:
-            raise ConfigError(f"draft_vocab_size {draft_vocab} must be in [1, {cfg.vocab_size}] (the target vocabulary)")
+            raise ConfigError(f"draft_vocab_size {draft_vocab} must be in [1, {cfg.vocab_size}] "
+                              "(the target vocabulary)")
         self.config = cfg
         self.target_layers = tuple(target_layers)
         self.target_hidden = target_hidden or cfg.hidden_size
@@ -192,7 +197,8 @@ LAYER_PREFIXES = ("midlayer.", "layers.0.")  # EAGLE-3's own spelling, then vLLM
 
 def is_eagle3(raw: dict, keys: set[str]) -> bool:
     """Whether a head directory (config.json dict, tensor names) holds an EAGLE-3 head."""
-    return ("draft_vocab_size" in raw or (raw.get("eaglespec") or {}).get("format") == EAGLE3_FORMAT
+    ours = raw.get("eaglespec")
+    return ("draft_vocab_size" in raw or (isinstance(ours, dict) and ours.get("format") == EAGLE3_FORMAT)
             or "d2t" in keys or "layers.0.hidden_norm.weight" in keys or any(k.startswith("midlayer.") for k in keys))
 
 
@@ -207,7 +213,8 @@ def eagle3_state(head: Eagle3Head) -> dict[str, torch.Tensor]:
         "fc.weight": head.fc.weight,
         p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
         p + "self_attn.o_proj.weight": lay.attn.wo.weight,
-        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": lay.mlp.w_down.weight,
+        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+        p + "mlp.down_proj.weight": lay.mlp.w_down.weight,
         p + "hidden_norm.weight": lay.hidden_norm.weight,
         p + "input_layernorm.weight": lay.embed_norm.weight,
         p + "post_attention_layernorm.weight": lay.mlp_norm.weight,
@@ -231,8 +238,10 @@ def eagle3_config(head: Eagle3Head, extra: dict | None = None) -> dict:
 
 
 def _target_layers(raw: dict, target: ModelConfig) -> tuple[int, ...]:
-    ours = (raw.get("eaglespec") or {}).get("target_layers")
-    theirs = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ours = raw.get("eaglespec")
+    ours = ours.get("target_layers") if isinstance(ours, dict) else None
+    theirs = raw.get("eagle_config")
+    theirs = theirs.get("eagle_aux_hidden_state_layer_ids") if isinstance(theirs, dict) else None
     layers = ours if ours is not None else theirs
     return check_target_layers(layers if layers is not None else default_target_layers(target.num_layers),
                                target.num_layers)
