@@ -22,11 +22,12 @@ from eaglespec.config import ConfigError, ModelConfig, SamplingConfig, TreeConfi
 from eaglespec.draft import Drafter, init_random_head, load_head, save_head
 from eaglespec.eagle3 import Eagle3Head, default_target_layers
 from eaglespec.kv_cache import RowKVCache
-from eaglespec.runtime.engine import Request
+from eaglespec.runtime.engine import Engine, Request
+from eaglespec.spec.sampling import RowSampling
 from eaglespec.spec.propose import Proposer
 
-from spec_helpers import (OracleProposer, RecordingEngine, TrackingProposer, chi_square_pvalue, engine_tokens,
-                          exact_sequence_probs, run_generate, single_thread)
+from spec_helpers import (OracleProposer, RecordingEngine, SyncCounter, TrackingProposer, chi_square_pvalue,
+                          engine_tokens, exact_sequence_probs, run_generate, single_thread)
 from tiny import tiny_config, tiny_model
 
 LAYERS = (1, 2, 3)  # low, mid, high of a 4-layer target
@@ -353,6 +354,33 @@ def test_oracle_drafts_are_used(head, target, method, min_tau):
     for req, ref in zip(reqs, refs):
         assert engine_tokens(req) == ref
         assert req.stats.tau > min_tau, req.stats.accept_lengths
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle2"])
+def test_step_has_no_host_sync_and_fixed_shapes_change_nothing(head, target, monkeypatch, method):
+    """The EAGLE-3 step (layers returned, fused, d2t mapping) reads nothing back to the host, and
+    capacity-wide views with bucketed rows (the CUDA-graph layout) give the same tokens."""
+    from eaglespec import attention
+
+    with single_thread():
+        def jobs():
+            return [Request(p, method, TREES[method], SamplingConfig(0.8 * (i % 2), seed=i), 15 + i)
+                    for i, p in enumerate(PROMPTS[:3])]
+
+        exact = Engine(target, head).run(jobs())
+        fixed = Engine(target, head, fixed_shapes=True).run(jobs())
+    assert [r.pending_tokens for r in fixed] == [r.pending_tokens for r in exact]
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "sdpa")  # as tests/test_engine.py's host-sync test
+    engine = Engine(target, head, max_batch=3)
+    reqs = [engine.submit(r) for r in jobs()]
+    engine.step()  # admit and prefill (host work) outside the count
+    lane = next(iter(engine.lanes.values()))
+    state, sampling = lane.state.rows(3), RowSampling.from_configs([r.sampling for r in reqs])
+    counter = SyncCounter(monkeypatch)
+    with torch.inference_mode():
+        for _ in range(3):
+            lane.step_fn(state, sampling, max(lane.lengths) + 20)
+    assert counter.calls == []
 
 
 # --- speculative sampling ---------------------------------------------------------------------------------
