@@ -487,3 +487,22 @@ def test_own_drafts_are_accepted_greedy(tmp_path):
     assert [engine_tokens(r) for r in reqs] == refs
     accepted = [a - 1 for r in reqs for a in r.stats.accept_lengths]
     assert sum(accepted) / len(accepted) > 0.1, accepted
+
+
+def test_serve_runs_an_eagle3_head(tmp_path, tiny_chat_checkpoint_256, isolated_cache):
+    """The server over an EagleSpec whose draft is an EAGLE-3 head directory: eagle2 chat
+    completions equal the vanilla ones."""
+    from serve_helpers import load_spec, running_server
+
+    ckpt = tiny_chat_checkpoint_256
+    cfg = ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+    save_head(init_random_head(cfg, seed=6, kind="eagle3", draft_vocab=16), tmp_path / "h3")
+    spec = load_spec(ckpt, draft=str(tmp_path / "h3"))
+    assert isinstance(spec.head, Eagle3Head)
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    with running_server(spec) as srv:
+        client = srv.client()
+        texts = {m: client.chat.completions.create(model=srv.model, messages=messages, max_tokens=12, temperature=0,
+                                                   extra_body={"eaglespec": {"method": m}}).choices[0].message.content
+                 for m in ("vanilla", "eagle2")}
+    assert texts["eagle2"] == texts["vanilla"] and texts["vanilla"]
