@@ -261,18 +261,20 @@ def eagle3_tensors(cfg) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("with_draft_vocab", [True, False])
-def test_refuses_eagle3_head(tmp_path, cfg, with_draft_vocab):
+def test_eagle3_head_is_detected(tmp_path, cfg, with_draft_vocab):
+    """EAGLE-3 tensors in an EAGLE-1/2-style config are read as an EAGLE-3 head (tests/test_eagle3_head.py
+    covers those); this one's t2d marks no token while d2t maps 32, so it is refused as such."""
     conf = released_config(cfg, bias=False)
     if with_draft_vocab:
         conf["draft_vocab_size"] = 32
     write_released(tmp_path, conf, eagle3_tensors(cfg), "safetensors")
-    with pytest.raises(ConfigError, match="EAGLE-3"):
+    with pytest.raises(ConfigError, match="EAGLE-3 draft head .*t2d does not mark"):
         load_head(tmp_path, cfg)
 
 
-def test_refuses_eagle3_head_in_pytorch_bin(tmp_path, cfg):
+def test_eagle3_head_in_pytorch_bin_is_detected(tmp_path, cfg):
     write_released(tmp_path, released_config(cfg, bias=False), eagle3_tensors(cfg), "bin")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="EAGLE-3 draft head .*t2d does not mark"):
         load_head(tmp_path, cfg)
 
 

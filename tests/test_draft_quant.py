@@ -58,12 +58,13 @@ def test_int8_head_shares_weights_and_leaves_the_head_alone():
     assert q.fc.weight is head.fc.weight and q.layer.mlp_norm is head.layer.mlp_norm
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
-def test_int8_drafting_changes_nothing_but_the_drafts(method):
-    """Greedy output with int8 drafting equals vanilla and the float draft's."""
+def test_int8_drafting_changes_nothing_but_the_drafts(method, kind):
+    """Greedy output with int8 drafting equals vanilla and the float draft's (both head kinds)."""
     cfg = tiny_config(vocab=96)
     target = tiny_model(cfg, seed=5)
-    head = init_random_head(cfg, seed=9)
+    head = init_random_head(cfg, seed=9, kind=kind, draft_vocab=40 if kind == "eagle3" else None)
     tree = TreeConfig(method, total_tokens=12, depth=4, top_k=3)
     prompts = [[3, 4, 5], list(range(10, 30))]
     with single_thread():
@@ -75,6 +76,7 @@ def test_int8_drafting_changes_nothing_but_the_drafts(method):
             if int8:
                 lane = next(iter(eng.lanes.values()))
                 assert isinstance(lane.proposer.head.fc, Int8Linear)
+                assert isinstance(lane.proposer.head.layer.attn.wqkv, Int8Linear)
     assert outs["int8"] == outs["vanilla"] == outs["float"]
 
 

@@ -17,7 +17,7 @@ from typing import Iterator, Union
 import torch
 
 from .config import ConfigError, SamplingConfig, TreeConfig, default_tree
-from .draft import DraftHead, init_random_head, load_head
+from .draft import Head, init_random_head, load_head
 from .runtime.engine import Engine, Request
 from .runtime.request import GenerationStats, check_request, check_text, cut_at_stop_string
 from .model import Transformer
@@ -160,7 +160,7 @@ class EagleSpec:
     """A target model, its tokenizer and (optionally) an EAGLE draft head."""
 
     def __init__(self, target: Transformer, tokenizer: Tokenizer, source: ModelSource,
-                 head: DraftHead | None = None, head_name: str = "") -> None:
+                 head: Head | None = None, head_name: str = "") -> None:
         self.target, self.tokenizer, self.source = target, tokenizer, source
         self.head, self.head_name = head, head_name
         # The one engine every request runs through (CLI, bench, server, this API).
@@ -183,10 +183,15 @@ class EagleSpec:
         return engine
 
     def set_draft(self, draft: str, seed: int = 0) -> None:
-        """draft: 'default' (the head shipped for this model), 'random' (seeded, for tests) or a path."""
+        """draft: 'default' (the head shipped for this model), 'random' / 'random3' (seeded EAGLE-1/2 /
+        EAGLE-3 heads, for tests) or a path to a head directory (either kind, detected)."""
         cfg, dt, dev = self.target.config, self.target.dtype, self.target.device
         if draft == "random":
             head, name = init_random_head(cfg, seed=seed, dtype=dt, device=dev), "random"
+        elif draft == "random3":  # EAGLE-3's reduced vocabulary: at most 32,000 draft tokens
+            head = init_random_head(cfg, seed=seed, dtype=dt, device=dev, kind="eagle3",
+                                    draft_vocab=min(cfg.vocab_size, 32000))
+            name = "random3"
         else:
             path = default_head_path(self.source.name) if draft == "default" else Path(draft)
             if draft == "default" and not (path / "config.json").is_file():

@@ -45,7 +45,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
 def add_tree_args(p: argparse.ArgumentParser) -> None:
     """Speculation options (method, head, tree): shared by generate, chat and serve."""
     p.add_argument("--method", default="vanilla", choices=["vanilla", "eagle", "eagle2"])
-    p.add_argument("--draft", default=None, help="draft head: default | random | PATH (eagle/eagle2)")
+    p.add_argument("--draft", default=None,
+                   help="draft head: default | random | random3 (EAGLE-3) | PATH (EAGLE-1/2 or EAGLE-3 head)")
     d = TreeConfig()
     # Default None: an option given where it does not apply is refused, not silently ignored.
     p.add_argument("--total-tokens", type=int, default=None,

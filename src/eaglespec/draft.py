@@ -1,4 +1,13 @@
-"""The EAGLE-1/2 draft head and the drafter that grows trees with it.
+"""The EAGLE-1/2 draft head, checkpoints of either head kind, and the drafter that grows trees.
+
+Two head kinds share one small protocol, so Proposer, SpecStep, the engine and Drafter run both:
+`target_layers` (None: the target's final normed features; EAGLE-3: the layers whose entering
+hidden states it fuses), `target_features(out)` (the per-token feature input from a target
+forward), `fuse` (target features -> hidden), `step(embeds, hidden, positions, cache, mask)`
+(one head forward; deeper tree nodes pass their parent's output as hidden), `forward` (step over
+fused target features: committed pairs), `readout` (what the LM head reads), `lm_weight` and
+`to_target_ids` (top-k over the head's vocabulary, returned as target ids). The EAGLE-3 head
+lives in eagle3.py; `load_head` detects the kind of a checkpoint.
 
 Head: z = fc(concat(embed(x[t+1]), f[t])), then one Llama decoder layer without its input norm
 -> predicted feature f^[t+1] -> the target's LM head. Embedding and LM head belong to the target
@@ -29,7 +38,8 @@ from torch import nn
 
 from .config import ConfigError, ModelConfig, TreeConfig
 from .kv_cache import KVCache
-from .model import DecoderLayer, Rotary, Transformer, causal_mask
+from .eagle3 import Eagle3Head, eagle3_config, eagle3_from_checkpoint, eagle3_state, init_eagle3_head, is_eagle3
+from .model import DecoderLayer, ModelOutput, Rotary, Transformer, causal_mask
 from .tree import StaticLayout, Tree, rerank, static_layout, truncate_layout
 
 HEAD_FORMAT = "eaglespec-draft-v1"
@@ -72,6 +82,27 @@ class DraftHead(nn.Module):
         c, w = self.config, self.fc.weight
         return KVCache(1, c.num_kv_heads, c.head_dim, max_len, batch_size, w.dtype, w.device)
 
+    # --- the head protocol (shared with eagle3.Eagle3Head) -------------------------------------
+    kind = "eagle"
+    target_layers = None  # reads no intermediate layers: the target's final normed features
+
+    def target_features(self, out: ModelOutput) -> torch.Tensor:
+        """The target's forward -> this head's per-token feature input: [B, T, H]."""
+        return out.features
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features -> the hidden `step` takes: the same thing (fc reads both inputs at once)."""
+        return features
+
+    def readout(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads: the predicted feature itself (no final norm)."""
+        return hidden
+
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One head forward over (token, feature or parent output) pairs: `forward`."""
+        return self.forward(embeds, hidden, positions, cache, mask)
+
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """embeds, features: [B, T, H] (token x[t+1], feature f[t]); positions [B, T] -> f^[t+1] [B, T, H].
@@ -105,10 +136,23 @@ def init_head_(head: DraftHead, seed: int = 0) -> DraftHead:
     return head
 
 
+# Either kind of head: what Proposer, SpecStep, Drafter and the engine take.
+Head = DraftHead | Eagle3Head
+
+
 def init_random_head(cfg: ModelConfig, seed: int = 0, bias: bool = True, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu") -> DraftHead:
-    """A seeded random head (acceptance near zero; output must still be identical)."""
-    head = init_head_(DraftHead(cfg, bias), seed)
+                     device: str | torch.device = "cpu", kind: str = "eagle", draft_vocab: int | None = None,
+                     target_layers: tuple[int, ...] | None = None) -> Head:
+    """A seeded random head (acceptance near zero; output must still be identical).
+
+    kind "eagle" (EAGLE-1/2; `bias`) or "eagle3" (`draft_vocab` random target ids, all when None;
+    `target_layers` default (2, L//2, L-3))."""
+    if kind == "eagle3":
+        head = init_eagle3_head(cfg, seed, draft_vocab, target_layers)
+    elif kind == "eagle":
+        head = init_head_(DraftHead(cfg, bias), seed)
+    else:
+        raise ValueError(f"head kind must be 'eagle' or 'eagle3', got {kind!r}")
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -139,12 +183,21 @@ def _eagle_state(head: DraftHead) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
-def save_head(head: DraftHead, path: str | Path, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
-    """Write config.json + model.safetensors in EAGLE-1/2's released layout (plus our metadata)."""
+def save_head(head: Head, path: str | Path, dtype: torch.dtype | None = None, extra: dict | None = None) -> None:
+    """Write config.json + model.safetensors in EAGLE-1/2's or EAGLE-3's released layout (plus our metadata)."""
     from .weights import atomic_save_safetensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if isinstance(head, Eagle3Head):
+        sd = eagle3_state(head)
+        if dtype is not None:
+            sd = {k: v.to(dtype) for k, v in sd.items()}
+        sd.update({"d2t": head.d2t.cpu().to(torch.int64), "t2d": head.t2d.cpu().bool()})
+        atomic_save_safetensors(sd, path / "model.safetensors", {"format": "pt"})
+        (path / DRAFT_VOCAB_FILE).unlink(missing_ok=True)  # an EAGLE-1/2 head saved here before
+        _write_config(path, eagle3_config(head, extra))
+        return
     sd = _eagle_state(head)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
@@ -160,21 +213,37 @@ def save_head(head: DraftHead, path: str | Path, dtype: torch.dtype | None = Non
         cfg["eaglespec_draft_vocab_size"] = int(head.vocab.numel())
     elif vocab_file.exists():
         vocab_file.unlink()
+    _write_config(path, cfg)
+
+
+def _write_config(path: Path, cfg: dict) -> None:
     tmp = path / "config.json.tmp"
     tmp.write_text(json.dumps(cfg, indent=2))
     tmp.replace(path / "config.json")
 
 
 def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
-              device: str | torch.device = "cpu") -> DraftHead:
-    """Load a head from our format or a released EAGLE-1/2 checkpoint; refuse one that does not fit."""
+              device: str | torch.device = "cpu") -> Head:
+    """Load a head from our format or a released EAGLE-1/2 or EAGLE-3 checkpoint (the kind is
+    detected); refuse one that does not fit the target."""
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ConfigError(f"draft head {path}: no config.json")
-    raw = json.loads(cfg_path.read_text())
-    if "midlayer.self_attn.q_proj.weight" in _keys(path) or "draft_vocab_size" in raw:
-        raise ConfigError(f"draft head {path} is an EAGLE-3 head; eaglespec runs EAGLE-1/2 heads")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"draft head {path}: unreadable config.json ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"draft head {path}: config.json is not a JSON object")
+    sd = None  # read once: names from model.safetensors' header, or the whole pytorch_model.bin
+    keys = _keys(path)
+    if not (path / "model.safetensors").is_file() and (path / "pytorch_model.bin").is_file():
+        sd = _read_tensors(path)
+        keys = set(sd)
+    if is_eagle3(raw, keys):
+        head = eagle3_from_checkpoint(str(path), raw, sd if sd is not None else _read_tensors(path), target)
+        return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
     hraw = dict(raw)
     hraw.setdefault("architectures", [{"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
         target.architecture, "LlamaForCausalLM")])
@@ -186,7 +255,8 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.
     ) if a != b]
     if problems:
         raise ConfigError(f"draft head {path} does not fit this target: " + "; ".join(problems))
-    sd = _read_tensors(path)
+    if sd is None:
+        sd = _read_tensors(path)
     bias = "fc.bias" in sd
     head = DraftHead(hcfg, bias=bias)
     c = head.config
@@ -255,9 +325,9 @@ class DraftState:
 
 
 class Drafter:
-    """Runs a DraftHead against a target's embedding and LM head and grows draft trees."""
+    """Runs a draft head (either kind) against a target's embedding and LM head and grows draft trees."""
 
-    def __init__(self, head: DraftHead, target: Transformer) -> None:
+    def __init__(self, head: Head, target: Transformer) -> None:
         self.head, self.target = head, target
         self.cache: KVCache | None = None
         self.committed = 0  # draft slots holding real-feature pairs
@@ -269,7 +339,8 @@ class Drafter:
         self.committed = 0
 
     def extend(self, tokens: torch.Tensor, features: torch.Tensor) -> DraftState:
-        """Commit pairs (tokens[i], features[i]) at the next positions: tokens [T], features [T, H]."""
+        """Commit pairs (tokens[i], features[i]) at the next positions: tokens [T], features [T, F]
+        (F: the head's target_features width, H for EAGLE-1/2, 3H for EAGLE-3)."""
         assert self.cache is not None, "call reset() first"
         self.cache.truncate(self.committed)
         t = tokens.numel()
@@ -278,14 +349,18 @@ class Drafter:
         self.committed += t
         return DraftState(root_hidden=hidden[0, -1])
 
+    def _lm(self, dtype: torch.dtype) -> torch.Tensor:
+        """The LM-head rows the head scores, [Vd, H] (for a reduced vocabulary: gathered once)."""
+        if self._lm_weight is None or self._lm_weight.dtype != dtype:
+            self._lm_weight = self.head.lm_weight(self.target.lm_head.weight).contiguous()
+        return self._lm_weight
+
     def _top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[K, H] -> the k best draft tokens per row: (log-probabilities [K, k] fp32, target ids [K, k]).
 
         Log-softmax in fp32: ranking by summed log-probabilities needs the precision.
         """
-        if self._lm_weight is None or self._lm_weight.dtype != hidden.dtype:
-            self._lm_weight = self.head.lm_weight(self.target.lm_head.weight).contiguous()
-        lp = F.log_softmax(F.linear(hidden, self._lm_weight).float(), dim=-1)
+        lp = F.log_softmax(F.linear(self.head.readout(hidden), self._lm(hidden.dtype)).float(), dim=-1)
         v, i = lp.topk(min(k, lp.shape[-1]), dim=-1)
         return v, self.head.to_target_ids(i)
 
@@ -307,7 +382,7 @@ class Drafter:
             mask[i, start + i] = True
         pos = torch.full((1, k), self.committed - 1 + depth, device=parent_hidden.device)
         tok = torch.tensor(tokens, device=parent_hidden.device)[None]
-        out = self.head(self.target.embed(tok), parent_hidden[None], pos, cache, mask)
+        out = self.head.step(self.target.embed(tok), parent_hidden[None], pos, cache, mask)
         return out[0]
 
     def draft(self, root_token: int, state: DraftState, tree_cfg: TreeConfig, max_nodes: int) -> Tree:
@@ -325,7 +400,7 @@ class Drafter:
 
     def _draft_static(self, root_token: int, state: DraftState, tree_cfg: TreeConfig, max_nodes: int) -> Tree:
         # A reduced vocabulary may hold fewer tokens than a node's rank asks for: drop such paths.
-        vocab = self.target.config.vocab_size if self.head.vocab is None else self.head.vocab.numel()
+        vocab = self._lm(state.root_hidden.dtype).shape[0]
         choices = [c for c in tree_cfg.choices if max(c) < vocab]
         key = (vocab, tuple(map(tuple, choices)))
         layout = self._layout_cache.get(key)

@@ -73,7 +73,9 @@ def generate_tokens(
 
     t0 = time.perf_counter()
     prompt = torch.tensor(prompt_ids, device=device)[None]
-    out = target(prompt, torch.arange(n, device=device)[None], cache, logits_for="last")
+    # The target layers an EAGLE-3 head fuses (none for EAGLE-1/2: it reads the final features).
+    layers = tuple(drafter.head.target_layers or ()) if drafter is not None else ()
+    out = target(prompt, torch.arange(n, device=device)[None], cache, logits_for="last", hidden_layers=layers)
     token = next_token(out.logits[0, -1], sampling, gen)
     state = None
     if drafter is not None:
@@ -82,7 +84,7 @@ def generate_tokens(
         # `budget` (eagle), past the committed ones.
         drafter.reset(capacity + max(budget * max(tree.depth, 8), tree.depth * tree.top_k))
         shifted = torch.tensor(prompt_ids[1:] + [token], device=device)
-        state = drafter.extend(shifted, out.features[0])
+        state = drafter.extend(shifted, drafter.head.target_features(out)[0])
     _sync(device)
     stats.prefill_s = time.perf_counter() - t0
     reason = stop.push(token)
@@ -106,7 +108,7 @@ def generate_tokens(
         if t.size > 1:
             mask = torch.ones(t.size, ctx + t.size, dtype=torch.bool, device=device)
             mask[:, ctx:] = t.mask.to(device)
-        out = target(t.tokens.to(device)[None], t.positions(ctx).to(device)[None], cache, mask)
+        out = target(t.tokens.to(device)[None], t.positions(ctx).to(device)[None], cache, mask, hidden_layers=layers)
         acc = verify(t, out.logits[0], sampling, gen)
         cache.compact(ctx, acc.nodes)
         _sync(device)
@@ -118,7 +120,8 @@ def generate_tokens(
             if reason:
                 break
         if drafter is not None and not reason:
-            state = drafter.extend(torch.tensor(emitted, device=device), out.features[0, acc.nodes])
+            feats = drafter.head.target_features(out)[0, acc.nodes]  # [T, F]
+            state = drafter.extend(torch.tensor(emitted, device=device), feats)
         _sync(device)
         td = time.perf_counter()
         stats.record_step(len(emitted), acc.length, t.size, (tb - ta) + (td - tc), tc - tb)

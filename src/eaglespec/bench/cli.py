@@ -39,7 +39,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", action="store_true", help="also run depth-5 chain drafts and report n-alpha")
     p.add_argument("--out", required=True, help="directory for results.json, report.md and the plots")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model id, .gguf file or checkpoint directory")
-    p.add_argument("--draft", default="default", help="draft head: default | random | PATH")
+    p.add_argument("--draft", default="default", help="draft head: default | random | random3 | PATH (EAGLE-1/2 or EAGLE-3)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--device", default="cpu")
     add_quant_arg(p)

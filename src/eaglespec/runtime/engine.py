@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from ..config import SamplingConfig, TreeConfig, default_tree
-from ..draft import DraftHead
+from ..draft import Head
 from ..kv_cache import RowKVCache
 from ..model import Transformer
 from ..spec.propose import Proposer
@@ -234,7 +234,7 @@ class Lane:
 class Engine:
     """Runs requests through the batched speculative step. Thread-safe."""
 
-    def __init__(self, target: Transformer, head: DraftHead | None = None, *, eos_ids: list[int] = (),
+    def __init__(self, target: Transformer, head: Head | None = None, *, eos_ids: list[int] = (),
                  decode=None, max_batch: int = 8, prefill_chunk: int = 512, fixed_shapes: bool = False,
                  cuda_graphs: bool = False, draft_int8: bool | None = None) -> None:
         """fixed_shapes: step every lane with capacity-wide attention views and a power-of-two
@@ -257,7 +257,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self._ids = itertools.count(1)
 
-    def set_head(self, head: DraftHead | None) -> None:
+    def set_head(self, head: Head | None) -> None:
         with self.lock:
             if any(lane.active for key, lane in self.lanes.items() if key[0] != "vanilla"):
                 raise RuntimeError("cannot change the draft head while speculative requests are running")

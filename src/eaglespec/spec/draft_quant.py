@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..draft import DraftHead
+from ..draft import Head
 from ..quant import Int8Linear, int8_fits
 
 
@@ -45,7 +45,7 @@ def _swap(module: nn.Module, names: list[str]) -> nn.Module:
     return out
 
 
-def int8_head(head: DraftHead) -> DraftHead:
+def int8_head(head: Head) -> Head:
     """The head with int8 products, sharing every original tensor (the head itself is untouched)."""
     layer = _swap(head.layer, [])
     layer._modules["attn"] = _swap(head.layer.attn, ["wqkv", "wo"])

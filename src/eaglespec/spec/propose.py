@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import TreeConfig
-from ..draft import DraftHead
+from ..draft import Head
 from ..kv_cache import RowKVCache, row_attention_mask
 from ..model import Transformer
 from ..tree import static_layout
@@ -45,13 +45,14 @@ class _Level:
 
 
 class Proposer:
-    """Grows BatchTrees for B rows with a DraftHead, borrowing the target's embedding and LM head.
+    """Grows BatchTrees for B rows with a draft head of either kind (draft.DraftHead borrows the
+    target's embedding and LM head; eagle3.Eagle3Head borrows the embedding and has its own LM head).
 
     Build it after the models are on their final device and dtype: the LM-head rows of a reduced
     draft vocabulary and the EAGLE-1 layout's index tensors are prepared once, here.
     """
 
-    def __init__(self, head: DraftHead, target: Transformer, tree_cfg: TreeConfig, int8: bool = False) -> None:
+    def __init__(self, head: Head, target: Transformer, tree_cfg: TreeConfig, int8: bool = False) -> None:
         """int8: draft with weight-only int8 products (spec/draft_quant.py; CPU), which changes
         only which tokens are proposed, never the output."""
         self.head, self.target, self.method = head, target, tree_cfg.method
@@ -115,7 +116,8 @@ class Proposer:
                count: torch.Tensor, view_len: int) -> torch.Tensor:
         """Append pairs (tokens[b, j], features[b, j]), j < count[b], at slots committed[b] + j.
 
-        tokens [B, T], features [B, T, H], committed and count [B]; entries j >= count[b] are
+        tokens [B, T], features [B, T, F] (head.target_features: F = H, or 3H for EAGLE-3; the head
+        fuses them), committed and count [B]; entries j >= count[b] are
         padding (written, not committed). view_len >= max(committed) + T. Sets cache.lengths to
         committed + count and returns root_hidden [B, H], the head's output at j = count - 1.
         """
@@ -155,7 +157,7 @@ class Proposer:
         """[B, T, H] -> the k best draft tokens per node: (log-probabilities [B, T, k] fp32, target ids).
 
         Log-softmax in fp32 (Drafter._top's): ranking by summed log-probabilities needs the precision."""
-        lp = F.log_softmax(self._lm_head(hidden).float(), dim=-1)
+        lp = F.log_softmax(self._lm_head(self.head.readout(hidden)).float(), dim=-1)
         v, i = lp.topk(k, dim=-1)
         return v, self.head.to_target_ids(i)
 
@@ -169,8 +171,8 @@ class Proposer:
         slots = committed[:, None] + first + torch.arange(t, device=tokens.device)  # [B, T]
         pos = (committed + depth - 1)[:, None].expand(b, t)
         cache.prepare(slots, view_len)
-        return self.head(self.target.embed(tokens), parent_hidden, pos, cache,
-                         row_attention_mask(committed, committed, anc, view_len))  # [B, T, H]
+        return self.head.step(self.target.embed(tokens), parent_hidden, pos, cache,
+                              row_attention_mask(committed, committed, anc, view_len))  # [B, T, H]
 
     def _static(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor,
                 view_len: int) -> torch.Tensor:

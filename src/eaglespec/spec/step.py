@@ -4,6 +4,9 @@
     ->  verify (greedy or sampling, per row)  ->  keep each row's accepted path in the target cache
     ->  commit the accepted (token, feature) pairs to the draft head  ->  the bonus token is the new root
 
+The "feature" is what the head reads from the target forward (`head.target_features`): the final
+normed hidden state for EAGLE-1/2, the hidden states entering three chosen layers for EAGLE-3.
+
 All state lives in tensors on the model's device (`RowState`); the step never reads a tensor back
 to the host. Its caller copies the small result (emitted tokens and counts) once per step.
 Shapes depend only on (B, N, view lengths), which the caller fixes (exact on CPU, capacity-wide for
@@ -49,6 +52,11 @@ class StepTimes:
     verify_s: float = 0.0  # target forward + verify + cache compaction
 
 
+def hidden_layers(proposer: Proposer | None) -> tuple[int, ...]:
+    """The target layers whose entering hidden states the head reads (EAGLE-3), else none."""
+    return () if proposer is None else tuple(proposer.head.target_layers or ())
+
+
 def root_tree(root: torch.Tensor) -> BatchTree:
     """Vanilla decoding's tree: each row's root alone."""
     b = root.shape[0]
@@ -63,6 +71,7 @@ class SpecStep:
 
     def __init__(self, target: Transformer, proposer: Proposer | None = None) -> None:
         self.target, self.proposer = target, proposer
+        self.layers = hidden_layers(proposer)
 
     @property
     def budget(self) -> int:
@@ -106,14 +115,15 @@ class SpecStep:
             mask = None  # one token that sees exactly the whole view: SDPA's fastest path
         else:
             mask = row_attention_mask(t_len, t_len, tree.ancestors, view_t)
-        out = self.target(tree.tokens, tree.positions(t_len), s.target_cache, mask)
+        out = self.target(tree.tokens, tree.positions(t_len), s.target_cache, mask, hidden_layers=self.layers)
         acc = verify(tree, out.logits, sampling, s.step, max_children=self.max_children)
         s.target_cache.keep(t_len, acc.path, acc.count)
         if sync:
             sync()
         t2 = time.perf_counter()
         if self.proposer is not None:
-            feats = torch.gather(out.features, 1, acc.path[:, :, None].expand(-1, -1, out.features.shape[-1]))
+            feats = self.proposer.head.target_features(out)  # [B, N, F]
+            feats = torch.gather(feats, 1, acc.path[:, :, None].expand(-1, -1, feats.shape[-1]))  # [B, D+1, F]
             s.root_hidden.copy_(self.proposer.commit(s.draft_cache, s.draft_cache.lengths.clone(), acc.emitted,
                                                      feats, acc.count, view_c))
         s.root.copy_(acc.bonus)
@@ -143,8 +153,9 @@ def prefill_row(target: Transformer, proposer: Proposer | None, s: RowState, row
         e = min(n, a + chunk)
         tc.prepare(torch.arange(a, e, device=dev)[None], e)
         out = target(ids[:, a:e], torch.arange(a, e, device=dev)[None], tc, causal_mask(a, e - a, dev),
-                     logits_for="last" if e == n else "none")
-        feats.append(out.features)
+                     logits_for="last" if e == n else "none", hidden_layers=hidden_layers(proposer))
+        if proposer is not None:
+            feats.append(proposer.head.target_features(out))  # [1, e - a, F]
         logits = out.logits
     tc.lengths.fill_(n)
     step = s.step[row:row + 1]
