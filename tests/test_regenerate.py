@@ -155,3 +155,19 @@ def test_bad_input_is_refused(spec, tmp_path, tiny_chat_checkpoint_256):
     argv = ["regenerate", "--model", str(tiny_chat_checkpoint_256), "--data", str(data), "--out", str(tmp_path / "o")]
     assert main(argv + ["--skip", "5"]) == 2
     assert main(argv + ["--batch", "0"]) == 2
+
+
+def test_train_regenerate_trains_on_the_rewritten_answers(tmp_path, tiny_chat_checkpoint, isolated_cache, monkeypatch):
+    from eaglespec.train.cli import main
+
+    monkeypatch.delenv("EAGLESPEC_DEBUG", raising=False)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": c.id, "messages": c.messages[:2]}) + "\n" for c in conversations(12)))
+    out = tmp_path / "run"
+    argv = ["--model", str(tiny_chat_checkpoint), "--dtype", "fp32", "--data", str(data), "--out", str(out),
+            "--max-length", "32", "--shard-size", "4", "--batch-tokens", "128", "--max-steps", "2", "--eval-every",
+            "0", "--no-progress", "--regenerate", "--regenerate-max-tokens", "6", "--regenerate-batch", "4"]
+    assert main(argv) == 0
+    recs = records(out / "regenerated.jsonl")
+    assert len(recs) == 12 and all("original" not in r["messages"][1]["content"] for r in recs.values())
+    assert json.loads((out / "features" / "manifest.json").read_text())["regenerate"] is True
