@@ -139,7 +139,8 @@ def test_feature_dump_resumes_after_sigkill(tmp_path, reference_dump, kill):
     store = SampleStore([shard_path(out, i) for i in range(5)])
     assert len(store) == len(samples)
     for j in (0, 9, 19):
-        ids, _, mask = store.get(j)
+        x = store.get(j)
+        ids, mask = x.tokens, x.loss_mask
         assert ids.tolist() == samples[j].input_ids and mask.long().tolist() == samples[j].loss_mask
     # a second rerun does nothing at all
     rep2 = dump_features(target_model(), samples, out, SHARD, progress=False)

@@ -24,7 +24,7 @@ from ..draft import DraftHead, save_head
 from ..files import atomic_path, atomic_write_text
 from ..model import Transformer
 from .features import Shard, load_shard
-from .loss import Batch, chain_accuracy, eagle_loss, implied_tau
+from .loss import Batch, Sample, chain_accuracy, eagle_loss, implied_tau
 
 
 @dataclass
@@ -63,11 +63,17 @@ class TrainState:
 
 
 class SampleStore:
-    """All samples of a feature dump, in memory (bf16 features: ~1.2 KB/token for H = 576)."""
+    """All samples of a feature dump, in memory (bf16 features: ~1.2 KB/token for H = 576).
+    input_layers: the dumped hidden layers an EAGLE-3 head reads, concatenated as `inputs`."""
 
-    def __init__(self, shard_files: list[Path]) -> None:
+    def __init__(self, shard_files: list[Path], input_layers: tuple[int, ...] = ()) -> None:
         self.shards: list[Shard] = [load_shard(p) for p in shard_files]
         self.index = [(s, j) for s, sh in enumerate(self.shards) for j in range(len(sh))]
+        self.input_layers = tuple(input_layers)
+        missing = [k for k in self.input_layers for sh in self.shards[:1] if k not in sh.hidden]
+        if missing:
+            raise ValueError(f"the feature dump holds no hidden states of layers {missing}: dump them "
+                             "(another --out) for this head")
 
     def __len__(self) -> int:
         return len(self.index)
@@ -77,11 +83,12 @@ class SampleStore:
         o = self.shards[s].offsets
         return o[j + 1] - o[j]
 
-    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get(self, i: int) -> Sample:
         s, j = self.index[i]
         sh = self.shards[s]
         a, b = sh.offsets[j], sh.offsets[j + 1]
-        return sh.input_ids[a:b], sh.features[a:b], sh.loss_mask[a:b]
+        inputs = torch.cat([sh.hidden[k][a:b] for k in self.input_layers], -1) if self.input_layers else None
+        return Sample(sh.input_ids[a:b], sh.features[a:b], sh.loss_mask[a:b], inputs)
 
 
 def make_batches(store: SampleStore, sample_ids: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
@@ -108,15 +115,20 @@ def make_batches(store: SampleStore, sample_ids: list[int], batch_tokens: int, s
 
 def collate(store: SampleStore, ids: list[int], device) -> Batch:
     items = [store.get(i) for i in ids]
-    t = max(x[0].numel() for x in items)
-    h = items[0][1].shape[-1]
+    t = max(x.tokens.numel() for x in items)
+    h = items[0].features.shape[-1]
     tok = torch.zeros(len(items), t, dtype=torch.long)
-    feat = torch.zeros(len(items), t, h, dtype=items[0][1].dtype)
+    feat = torch.zeros(len(items), t, h, dtype=items[0].features.dtype)
     mask = torch.zeros(len(items), t, dtype=torch.bool)
-    for r, (a, f, m) in enumerate(items):
-        n = a.numel()
-        tok[r, :n], feat[r, :n], mask[r, :n] = a, f, m
-    return Batch(tok.to(device), feat.to(device), mask.to(device))
+    inputs = None
+    if items[0].inputs is not None:
+        inputs = torch.zeros(len(items), t, items[0].inputs.shape[-1], dtype=items[0].inputs.dtype)
+    for r, x in enumerate(items):
+        n = x.tokens.numel()
+        tok[r, :n], feat[r, :n], mask[r, :n] = x.tokens, x.features, x.loss_mask
+        if inputs is not None:
+            inputs[r, :n] = x.inputs
+    return Batch(tok.to(device), feat.to(device), mask.to(device), None if inputs is None else inputs.to(device))
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -179,8 +191,9 @@ def evaluate(head: DraftHead, target: Transformer, store: SampleStore, val_ids: 
     head.eval()
     hits, totals = [0] * steps, [0] * steps
     for i in val_ids:
-        tok, feat, mask = store.get(i)
-        h, t = chain_accuracy(head, target, tok.to(target.device), feat.to(target.device), mask.to(target.device), steps)
+        x, dev = store.get(i), target.device
+        h, t = chain_accuracy(head, target, x.tokens.to(dev), x.features.to(dev), x.loss_mask.to(dev), steps,
+                              None if x.inputs is None else x.inputs.to(dev))
         hits = [a + b for a, b in zip(hits, h)]
         totals = [a + b for a, b in zip(totals, t)]
     head.train()

@@ -31,6 +31,19 @@ class Batch:
     tokens: torch.Tensor  # [B, T] long (right-padded)
     features: torch.Tensor  # [B, T, H]
     loss_mask: torch.Tensor  # [B, T] bool, already False on padding
+    # [B, T, F] what the head reads as target features when they are not `features` (EAGLE-3: the
+    # hidden states entering its target layers, concatenated); None: `features`.
+    inputs: torch.Tensor | None = None
+
+
+@dataclass
+class Sample:
+    """One training sequence, as a store serves it."""
+
+    tokens: torch.Tensor  # [T] long
+    features: torch.Tensor  # [T, H] the target's final (normed) features
+    loss_mask: torch.Tensor  # [T] bool
+    inputs: torch.Tensor | None = None  # [T, F] the head's feature input when not `features` (EAGLE-3)
 
 
 @dataclass
@@ -104,7 +117,7 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
     tok, feat = batch.tokens, batch.features.float()
     b, t = tok.shape
     n = t - 1  # pairs
-    inp_feat = feat[:, :-1]
+    inp_feat = (feat if batch.inputs is None else batch.inputs.float())[:, :-1]
     if noise > 0:
         u = torch.rand(inp_feat.shape, generator=generator, device=inp_feat.device)
         inp_feat = inp_feat + (u * 2 - 1) * noise  # U(-noise, noise)
@@ -120,9 +133,11 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
     if m == 0:
         zero = pred.sum() * 0.0
         return LossParts(zero, zero, zero, zero.detach(), 0)
-    w = core.lm_weight(target.lm_head.weight)  # [Vd, H]
+    w = core.lm_weight(target.lm_head.weight)  # [Vd, H] the head's LM head
+    if core.kind == "eagle3":
+        w_reg = 0.0  # its output is a hidden state of its own, not the target's feature
     with torch.no_grad():
-        t_logits = _rows_linear(f_true, w).float()  # [M, Vd]
+        t_logits = _rows_linear(f_true, target_vocab_weight(core, target)).float()  # [M, Vd]
         t_prob, t_top = t_logits.softmax(-1), t_logits.argmax(-1)
     total, stats, valid = None, [], sel
     for s in range(ttt_steps):
@@ -131,12 +146,12 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
             valid = chain_valid(sel, s)
             if not bool(valid.any()):
                 break  # later steps score even fewer positions
-            pred = core(emb, prev, pos, kv, chain_mask(n, s, tok.device))
+            pred = core.step(emb, prev, pos, kv, chain_mask(n, s, tok.device))  # own outputs: no fc fusion
         keep = None if s == 0 else valid[sel]  # [M] step 0's rows this step still scores
         p_hat = pred[valid]  # [Ms, H]
         f_s, prob_s, top_s = (f_true, t_prob, t_top) if keep is None else (f_true[keep], t_prob[keep], t_top[keep])
-        reg = F.smooth_l1_loss(p_hat, f_s)
-        d_logp = _rows_linear(p_hat, w).float().log_softmax(-1)
+        reg = F.smooth_l1_loss(p_hat, f_s) if w_reg else p_hat.new_zeros(())
+        d_logp = _rows_linear(core.readout(p_hat), w).float().log_softmax(-1)
         cls = -(prob_s * d_logp).sum(-1).mean()
         acc = (d_logp.argmax(-1) == top_s).float().mean()
         term = w_reg * reg + w_cls * cls
@@ -144,6 +159,15 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
         stats.append(torch.stack([reg.detach(), cls.detach(), acc.detach()]))
     per_step = torch.stack(stats)  # [N', 3]
     return LossParts(total, per_step[0, 0], per_step[0, 1], per_step[0, 2], m, per_step)
+
+
+def target_vocab_weight(head, target: Transformer) -> torch.Tensor:
+    """The target's LM-head rows for the head's draft vocabulary, in the head's order: [Vd, H].
+    EAGLE-1/2 heads score with exactly these rows; an EAGLE-3 head has an LM head of its own."""
+    w = target.lm_head.weight
+    if head.kind != "eagle3":
+        return head.lm_weight(w)
+    return w[head.to_target_ids(torch.arange(head.draft_vocab, device=w.device))]
 
 
 def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -157,8 +181,10 @@ def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, features: torch.Tensor,
-                   loss_mask: torch.Tensor, steps: int = 5) -> tuple[list[int], list[int]]:
-    """n-alpha counts for one sequence. tokens [T], features [T, H], loss_mask [T] ->
+                   loss_mask: torch.Tensor, steps: int = 5, inputs: torch.Tensor | None = None
+                   ) -> tuple[list[int], list[int]]:
+    """n-alpha counts for one sequence. tokens [T], features [T, H] (the target's final ones),
+    loss_mask [T], inputs [T, F] (the head's feature input when not `features`: EAGLE-3) ->
     (hits[n], totals[n]) for n = 0..steps-1."""
     t = tokens.numel() - 1  # pairs (x[p+1], f[p]) for p = 0..t-1
     if t < 1:
@@ -174,10 +200,11 @@ def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, f
     pos = torch.arange(t, device=dev)[None]
     p = torch.arange(t, device=dev)
     hits, totals = [], []
-    out = head(emb, feats[:-1][None], pos, cache)  # step 0: real features, causal
+    inp = feats if inputs is None else inputs.to(feats.dtype)
+    out = head(emb, inp[:-1][None], pos, cache)  # step 0: real features, causal
     for n in range(steps):
         valid = loss_mask[1:] & (p >= n)
-        pred = head.to_target_ids(F.linear(out[0], w_draft).argmax(-1))
+        pred = head.to_target_ids(F.linear(head.readout(out[0]), w_draft).argmax(-1))
         hits.append(int(((pred == want) & valid).sum()))
         totals.append(int(valid.sum()))
         if n + 1 == steps:
@@ -185,7 +212,7 @@ def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, f
         # step n+1: query p takes its chain's previous output (at p - 1) as feature
         prev = torch.cat([out[0, :1] * 0, out[0, :-1]], 0)[None]
         mask = chain_mask(t, n + 1, dev)  # [t, cache.length + t]
-        out = head(emb, prev, pos, cache, mask)
+        out = head.step(emb, prev, pos, cache, mask)
     return hits, totals
 
 
