@@ -27,10 +27,15 @@ def peak_rss_gib() -> float:
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
+    from ..quant import QUANT_MODES
     from ..weights import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="target dtype")
+    p.add_argument("--quant", default="none", choices=list(QUANT_MODES),
+                   help="the target's linears while training (default none: a GGUF's 4-bit blocks dequantised "
+                        "to --dtype, 2x faster for the long forwards of the feature dump than the int4 kernels "
+                        "decoding uses; int4/auto saves memory on large targets)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--data", default=None, help="ShareGPT json/jsonl or OpenAI messages jsonl (default: packaged ShareGPT)")
     p.add_argument("--out", required=True, help="work directory: features/, checkpoint.pt, head/")
@@ -48,6 +53,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="reduced draft vocabulary: the N most frequent answer tokens (0 = the target's full vocabulary)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True, help="fc bias (EAGLE-1/2: yes)")
+    p.add_argument("--head", default="eagle", choices=["eagle", "eagle3"],
+                   help="eagle: EAGLE-1/2 head (the target's top feature, its LM head); eagle3: three fused "
+                        "target layers, its own LM head over --draft-vocab, no feature regression "
+                        "(EAGLE-3's recipe adds --ttt-steps 7)")
+    p.add_argument("--target-layers", type=int, nargs=3, default=None, metavar=("LOW", "MID", "HIGH"),
+                   help="eagle3: the target layers whose entering hidden states are fused (default 2, L/2, L-3)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     d = TrainConfig()
@@ -118,9 +129,44 @@ def build_samples(engine, args, convs, rank: int):
     return samples, list(split.train), list(split.val)
 
 
+def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], rank: int):
+    """The head to train, seeded: EAGLE-1/2 (`--head eagle`) or EAGLE-3, with its draft vocabulary
+    (the --draft-vocab most frequent answer tokens of the training split)."""
+    from ..draft import DraftHead, init_head_
+    from ..eagle3 import check_target_layers, default_target_layers, init_eagle3_head
+    from .vocab import coverage, frequent_tokens
+
+    torch.manual_seed(args.seed)
+    cfg, device = target.config, target.device
+    ids = None
+    if args.draft_vocab and args.draft_vocab < cfg.vocab_size:
+        dv = frequent_tokens([samples[i] for i in train_ids], args.draft_vocab, cfg.eos_token_ids)
+        ids = dv.token_ids
+        if rank == 0:
+            val_cov = coverage(ids, [samples[i] for i in val_ids]) if val_ids else float("nan")
+            print(f"draft vocabulary: {ids.numel():,} of {cfg.vocab_size:,} tokens, covering "
+                  f"{dv.train_coverage:.1%} of training and {val_cov:.1%} of validation answer tokens", file=sys.stderr)
+    if args.head == "eagle":
+        head = init_head_(DraftHead(cfg, bias=args.bias), args.seed)
+        if ids is not None:
+            head.set_vocab(ids)
+        return head.to(device)
+    layers = check_target_layers(args.target_layers or default_target_layers(cfg.num_layers), cfg.num_layers)
+    head = init_eagle3_head(cfg, args.seed, draft_vocab=None if ids is None else ids.numel(), target_layers=layers)
+    if ids is not None:
+        head.set_vocab(ids)
+    with torch.no_grad():
+        # Warm start: the LM head reads norm(hidden) like the target's (its rows for the draft
+        # vocabulary, times the target's final norm scale), so training starts from the target's
+        # own readout instead of noise.
+        rows = target.lm_head.weight[head.to_target_ids(torch.arange(head.draft_vocab, device=device))].float()
+        scale = target.norm(torch.ones(1, cfg.hidden_size, device=device, dtype=target.dtype)).float()[0]
+        head.lm_head.weight.copy_(rows * scale)
+    return head.to(device)
+
+
 def cmd_train(args) -> int:
     from ..api import EagleSpec, set_threads
-    from ..draft import DraftHead, init_head_
     from .features import dump_features, shard_path, write_manifest
     from .loop import SampleStore, train
 
@@ -128,7 +174,7 @@ def cmd_train(args) -> int:
     rank, world = init_distributed(args.device)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device.startswith("cuda") and world > 1 else args.device
     convs = usable_conversations(args, rank)  # bad data is refused before the model loads
-    engine = EagleSpec.load(args.model, dtype=args.dtype, device=device)
+    engine = EagleSpec.load(args.model, dtype=args.dtype, device=device, quant=args.quant)
     target = engine.target
     out = Path(args.out)
     samples, train_ids, val_ids = build_samples(engine, args, convs, rank)  # before features/ is written
@@ -136,42 +182,34 @@ def cmd_train(args) -> int:
     if rank == 0:
         print(f"{len(samples):,} samples, {n_tok:,} tokens ({sum(s.num_loss_tokens for s in samples):,} assistant); "
               f"{len(train_ids):,} train / {len(val_ids):,} validation", file=sys.stderr)
+    head = new_head(args, target, samples, train_ids, val_ids, rank)
+    layers = tuple(head.target_layers or ())  # hidden states the head reads (EAGLE-3)
     feat_dir = out / "features"
     if args.online:
         from .online import OnlineStore
 
-        store = OnlineStore(target, samples)
+        store = OnlineStore(target, samples, layers)
     else:
         if rank == 0:
-            write_manifest(feat_dir, {"model": engine.source.name, "dtype": str(target.dtype),
+            write_manifest(feat_dir, {"model": engine.source.name, "dtype": str(target.dtype), "quant": target.quant,
                                       "max_length": args.max_length, "samples": len(samples), "tokens": n_tok,
                                       "shard_size": args.shard_size, "data": str(args.data or "sharegpt"),
-                                      "regenerate": bool(args.regenerate)})
+                                      "regenerate": bool(args.regenerate), "hidden_layers": list(layers)})
         if world > 1:
             torch.distributed.barrier()
-        rep = dump_features(target, samples, feat_dir, args.shard_size, rank, world, progress=not args.no_progress)
+        rep = dump_features(target, samples, feat_dir, args.shard_size, rank, world, layers,
+                            progress=not args.no_progress)
         if world > 1:
             torch.distributed.barrier()
         if rank == 0:  # each rank dumps its own shards; this line covers rank 0's share
             print(rep.summary() + (f" (rank 0's {rep.shards_total} of {world} ranks' shards)" if world > 1 else ""),
                   file=sys.stderr)
         n_shards = (len(samples) + args.shard_size - 1) // args.shard_size
-        store = SampleStore([shard_path(feat_dir, i) for i in range(n_shards)])
-    torch.manual_seed(args.seed)
-    head = DraftHead(target.config, bias=args.bias).to(device)
-    init_head_(head, args.seed)
-    if args.draft_vocab and args.draft_vocab < target.config.vocab_size:
-        from .vocab import coverage, frequent_tokens
-
-        dv = frequent_tokens([samples[i] for i in train_ids], args.draft_vocab, target.config.eos_token_ids)
-        head.set_vocab(dv.token_ids)
-        if rank == 0:
-            val_cov = coverage(dv.token_ids, [samples[i] for i in val_ids]) if val_ids else float("nan")
-            print(f"draft vocabulary: {dv.token_ids.numel():,} of {target.config.vocab_size:,} tokens, covering "
-                  f"{dv.train_coverage:.1%} of training and {val_cov:.1%} of validation answer tokens", file=sys.stderr)
+        store = SampleStore([shard_path(feat_dir, i) for i in range(n_shards)], layers)
     cfg = config_from(args)
-    extra = {"target": engine.source.name, "samples": len(samples), "tokens": n_tok,
-             "draft_vocab": int(head.vocab.numel()) if head.vocab is not None else target.config.vocab_size}
+    extra = {"target": engine.source.name, "samples": len(samples), "tokens": n_tok, "head": args.head,
+             "draft_vocab": head.draft_vocab if args.head == "eagle3" else
+             int(head.vocab.numel()) if head.vocab is not None else target.config.vocab_size}
     state = train(head, target, store, train_ids, val_ids, out, cfg, resume=args.resume, rank=rank, world=world,
                   progress=not args.no_progress, head_extra=extra)
     if rank == 0:

@@ -92,6 +92,7 @@ def target_features(target: Transformer, ids: list[int], hidden_layers: tuple[in
 def dump_features(target: Transformer, samples: list[TokenizedSample], out: Path, shard_size: int = 64,
                   rank: int = 0, world: int = 1, hidden_layers: tuple[int, ...] = (),
                   progress: bool = True) -> DumpReport:
+    hidden_layers = tuple(dict.fromkeys(hidden_layers))  # a shallow target's EAGLE-3 layers may repeat
     out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)  # half-written shards of a killed run (other ranks' live ones are locked)
     n_shards = (len(samples) + shard_size - 1) // shard_size

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..api import cpu_has_native_bf16
 from ..draft import DraftHead, save_head
 from ..files import atomic_path, atomic_write_text
 from ..model import Transformer
 from .features import Shard, load_shard
-from .loss import Batch, chain_accuracy, eagle_loss, implied_tau
+from .loss import Batch, Sample, chain_accuracy, eagle_loss, implied_tau
 
 
 @dataclass
@@ -36,6 +37,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_value: float = 0.5  # the authors clip gradients by value
     w_cls: float = 0.1
+    w_reg: float = 1.0  # SmoothL1 feature regression (EAGLE-1/2); 0 = CE only, as EAGLE-3
+    ttt_steps: int = 1  # training-time test: unroll the head this many steps (EAGLE-3: 7); 1 = plain loss
+    ttt_decay: float = 0.8  # step s of the unroll weighs ttt_decay ** s (EAGLE-3: 0.8)
     noise: float = 0.1  # U(-0.1, 0.1) on input features
     batch_tokens: int = 4096  # tokens per step (the paper: 4 sequences of up to 2048)
     warmup_steps: int = 50
@@ -44,7 +48,9 @@ class TrainConfig:
     eval_every: int = 200
     eval_samples: int = 64
     seed: int = 0
-    autocast: str = "auto"  # auto: bf16 on CUDA only (no native bf16 matmul on most CPUs)
+    # bf16 autocast of the head's forward (weights and AdamW stay fp32). auto: on CUDA and on CPUs
+    # with native bf16 matmul (AVX512-BF16 / AMX: ~3x fp32 on one core, see README); on / off.
+    autocast: str = "auto"
 
 
 @dataclass
@@ -57,11 +63,17 @@ class TrainState:
 
 
 class SampleStore:
-    """All samples of a feature dump, in memory (bf16 features: ~1.2 KB/token for H = 576)."""
+    """All samples of a feature dump, in memory (bf16 features: ~1.2 KB/token for H = 576).
+    input_layers: the dumped hidden layers an EAGLE-3 head reads, concatenated as `inputs`."""
 
-    def __init__(self, shard_files: list[Path]) -> None:
+    def __init__(self, shard_files: list[Path], input_layers: tuple[int, ...] = ()) -> None:
         self.shards: list[Shard] = [load_shard(p) for p in shard_files]
         self.index = [(s, j) for s, sh in enumerate(self.shards) for j in range(len(sh))]
+        self.input_layers = tuple(input_layers)
+        missing = [k for k in self.input_layers for sh in self.shards[:1] if k not in sh.hidden]
+        if missing:
+            raise ValueError(f"the feature dump holds no hidden states of layers {missing}: dump them "
+                             "(another --out) for this head")
 
     def __len__(self) -> int:
         return len(self.index)
@@ -71,11 +83,12 @@ class SampleStore:
         o = self.shards[s].offsets
         return o[j + 1] - o[j]
 
-    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get(self, i: int) -> Sample:
         s, j = self.index[i]
         sh = self.shards[s]
         a, b = sh.offsets[j], sh.offsets[j + 1]
-        return sh.input_ids[a:b], sh.features[a:b], sh.loss_mask[a:b]
+        inputs = torch.cat([sh.hidden[k][a:b] for k in self.input_layers], -1) if self.input_layers else None
+        return Sample(sh.input_ids[a:b], sh.features[a:b], sh.loss_mask[a:b], inputs)
 
 
 def make_batches(store: SampleStore, sample_ids: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
@@ -102,15 +115,20 @@ def make_batches(store: SampleStore, sample_ids: list[int], batch_tokens: int, s
 
 def collate(store: SampleStore, ids: list[int], device) -> Batch:
     items = [store.get(i) for i in ids]
-    t = max(x[0].numel() for x in items)
-    h = items[0][1].shape[-1]
+    t = max(x.tokens.numel() for x in items)
+    h = items[0].features.shape[-1]
     tok = torch.zeros(len(items), t, dtype=torch.long)
-    feat = torch.zeros(len(items), t, h, dtype=items[0][1].dtype)
+    feat = torch.zeros(len(items), t, h, dtype=items[0].features.dtype)
     mask = torch.zeros(len(items), t, dtype=torch.bool)
-    for r, (a, f, m) in enumerate(items):
-        n = a.numel()
-        tok[r, :n], feat[r, :n], mask[r, :n] = a, f, m
-    return Batch(tok.to(device), feat.to(device), mask.to(device))
+    inputs = None
+    if items[0].inputs is not None:
+        inputs = torch.zeros(len(items), t, items[0].inputs.shape[-1], dtype=items[0].inputs.dtype)
+    for r, x in enumerate(items):
+        n = x.tokens.numel()
+        tok[r, :n], feat[r, :n], mask[r, :n] = x.tokens, x.features, x.loss_mask
+        if inputs is not None:
+            inputs[r, :n] = x.inputs
+    return Batch(tok.to(device), feat.to(device), mask.to(device), None if inputs is None else inputs.to(device))
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -173,13 +191,23 @@ def evaluate(head: DraftHead, target: Transformer, store: SampleStore, val_ids: 
     head.eval()
     hits, totals = [0] * steps, [0] * steps
     for i in val_ids:
-        tok, feat, mask = store.get(i)
-        h, t = chain_accuracy(head, target, tok.to(target.device), feat.to(target.device), mask.to(target.device), steps)
+        x, dev = store.get(i), target.device
+        h, t = chain_accuracy(head, target, x.tokens.to(dev), x.features.to(dev), x.loss_mask.to(dev), steps,
+                              None if x.inputs is None else x.inputs.to(dev))
         hits = [a + b for a, b in zip(hits, h)]
         totals = [a + b for a, b in zip(totals, t)]
     head.train()
     alphas = [h / t if t else 0.0 for h, t in zip(hits, totals)]
     return {"n_alpha": alphas, "implied_tau": implied_tau(alphas), "val_positions": totals[0]}
+
+
+def use_autocast(mode: str, device: torch.device) -> bool:
+    """TrainConfig.autocast -> whether the loss runs under bf16 autocast."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"--autocast must be auto, on or off, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    return device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
 
 
 def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: list[int], val_ids: list[int],
@@ -188,6 +216,8 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
     """Train `head` in place; checkpoints in out/checkpoint.pt, the final head in out/head/."""
     if not train_ids:  # refused before anything is written
         raise ValueError("no training samples (--val-fraction took them all, or the data has none)")
+    if cfg.ttt_steps < 1:
+        raise ValueError(f"--ttt-steps must be >= 1 (1 = the plain EAGLE-1/2 loss), got {cfg.ttt_steps}")
     device = target.device
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -217,7 +247,7 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
         raise ValueError(f"fewer training batches ({n_batches}) than processes ({world}): "
                          "use more data or a smaller --batch-tokens")
     total = cfg.max_steps or max(1, int(per_epoch * cfg.epochs))
-    autocast = cfg.autocast == "on" or (cfg.autocast == "auto" and device.type == "cuda")
+    autocast = use_autocast(cfg.autocast, device)
     if rank == 0:  # steps logged after the checkpoint (before a kill) are retaken: log them once
         truncate_log(out / "log.jsonl", state.step)
     log = open(out / "log.jsonl", "a") if rank == 0 else None
@@ -244,7 +274,8 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
             for g in opt.param_groups:
                 g["lr"] = lr_at(state.step, total, cfg)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                parts = eagle_loss(model, target, batch, cfg.w_cls, cfg.noise, noise_gen)
+                parts = eagle_loss(model, target, batch, cfg.w_cls, cfg.noise, noise_gen, cfg.ttt_steps,
+                                   cfg.ttt_decay, cfg.w_reg)
             opt.zero_grad(set_to_none=True)
             parts.total.backward()
             torch.nn.utils.clip_grad_value_(head.parameters(), cfg.clip_value)
@@ -255,6 +286,9 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
             rec = {"step": state.step, "epoch": state.epoch, "loss": parts.total.item(), "reg": parts.reg.item(),
                    "cls": parts.cls.item(), "acc": float(parts.acc), "lr": opt.param_groups[0]["lr"],
                    "tokens_per_s": (state.tokens_seen - tokens0) / max(1e-9, time.perf_counter() - t0)}
+            if cfg.ttt_steps > 1 and parts.per_step is not None:  # each unrolled step's CE and top-1
+                rec["step_cls"] = [round(float(x), 4) for x in parts.per_step[:, 1]]
+                rec["step_acc"] = [round(float(x), 4) for x in parts.per_step[:, 2]]
             bar.update(1)
             bar.set_postfix(reg=f"{rec['reg']:.3f}", cls=f"{rec['cls']:.2f}", acc=f"{rec['acc']:.2f}",
                             tok_s=f"{rec['tokens_per_s']:.0f}")

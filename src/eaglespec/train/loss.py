@@ -31,55 +31,160 @@ class Batch:
     tokens: torch.Tensor  # [B, T] long (right-padded)
     features: torch.Tensor  # [B, T, H]
     loss_mask: torch.Tensor  # [B, T] bool, already False on padding
+    # [B, T, F] what the head reads as target features when they are not `features` (EAGLE-3: the
+    # hidden states entering its target layers, concatenated); None: `features`.
+    inputs: torch.Tensor | None = None
+
+
+@dataclass
+class Sample:
+    """One training sequence, as a store serves it."""
+
+    tokens: torch.Tensor  # [T] long
+    features: torch.Tensor  # [T, H] the target's final (normed) features
+    loss_mask: torch.Tensor  # [T] bool
+    inputs: torch.Tensor | None = None  # [T, F] the head's feature input when not `features` (EAGLE-3)
 
 
 @dataclass
 class LossParts:
-    total: torch.Tensor
-    reg: torch.Tensor
+    total: torch.Tensor  # what backward runs on: sum over steps of decay^s * (w_reg * reg_s + w_cls * cls_s)
+    reg: torch.Tensor  # step 0's terms (today's loss), detached
     cls: torch.Tensor
     acc: torch.Tensor  # top-1 agreement with the target's argmax over the draft vocabulary (step 0)
-    positions: int
+    positions: int  # scored positions of step 0
+    per_step: torch.Tensor | None = None  # [N, 3] (reg, cls, acc) of each unrolled step, detached
+
+
+class TrainKV:
+    """A KV cache for training: the keys/values of every call so far, concatenated, so gradients
+    flow through all unrolled steps (KVCache writes into preallocated storage, which would cut
+    them). Same interface as KVCache for the head: write, advance, length."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.length = 0
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [B, n_kv, T, hd] -> every key/value so far: [B, n_kv, length + T, hd]."""
+        if layer in self.k:
+            k, v = torch.cat((self.k[layer], k), 2), torch.cat((self.v[layer], v), 2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    def advance(self, t: int) -> None:
+        self.length += t
+
+
+def chain_mask(t: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Step `step` >= 1 of all T chains at once: [T, (step + 1) * T] bool over the keys of steps
+    0..step (T each; step 0's are the real pairs). Query p belongs to the chain that left real
+    features at p - step: it sees the real pairs up to p - step and, in each step m's keys, its own
+    chain's entry, which sits at p - step + m (a diagonal). Used by training (TTT) and n-alpha."""
+    p = torch.arange(t, device=device)
+    blocks = [p[None, :] <= (p - step)[:, None]]  # real pairs up to p - step
+    blocks += [p[None, :] == (p - step + m)[:, None] for m in range(1, step + 1)]
+    return torch.cat(blocks, 1)
+
+
+def chain_valid(scored: torch.Tensor, step: int) -> torch.Tensor:
+    """Which step-`step` queries are scored. scored [B, T] bool: x[p+1] is a loss token (False on
+    padding). The query at p is scored when its chain starts at a real pair (p >= step) and every
+    token the chain was fed, x[p-step+1..p+1], is a loss token, as at inference, where the drafted
+    tokens are the reply's own -> [B, T] bool."""
+    valid = scored
+    for j in range(1, step + 1):
+        valid = valid & F.pad(scored[:, :-j], (j, 0))  # scored[p - j], False before 0
+    return valid
 
 
 def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float = 0.1, noise: float = 0.1,
-               generator: torch.Generator | None = None) -> LossParts:
+               generator: torch.Generator | None = None, ttt_steps: int = 1, decay: float = 0.8,
+               w_reg: float = 1.0) -> LossParts:
+    """EAGLE-1/2's loss, unrolled over `ttt_steps` (training-time test, EAGLE-3).
+
+    Pair p is (x[p+1], f[p]) at position p, for p = 0..T-2. Step 0 is the head on the real pairs
+    (causal). Step s >= 1: the query at p takes as feature its chain's step s-1 output at p - 1
+    (the chain that left real features at p - s; see chain_mask), with the embedding of x[p+1] as
+    usual. Every step predicts the feature after its input token, f[p+1], and is scored against
+    it: SmoothL1 to f[p+1] and CE to the target's distribution softmax(LMHead(f[p+1])) over the
+    head's vocabulary (the next token x[p+2]), each a mean over the step's scored positions
+    (chain_valid), weighted decay^s and summed. ttt_steps=1 is the plain EAGLE-1/2 loss.
+    Noise goes on the real input features only. `head` needs forward(embeds, features, positions,
+    cache, mask) and lm_weight(target LM head) (it may be wrapped in DistributedDataParallel).
+    """
     tok, feat = batch.tokens, batch.features.float()
     b, t = tok.shape
-    inp_feat = feat[:, :-1]
+    n = t - 1  # pairs
+    inp_feat = (feat if batch.inputs is None else batch.inputs.float())[:, :-1]
     if noise > 0:
         u = torch.rand(inp_feat.shape, generator=generator, device=inp_feat.device)
         inp_feat = inp_feat + (u * 2 - 1) * noise  # U(-noise, noise)
-    pos = torch.arange(t - 1, device=tok.device).expand(b, -1)
+    pos = torch.arange(n, device=tok.device).expand(b, -1)
     with torch.no_grad():
         emb = target.embed(tok[:, 1:]).float()
-    pred = head(emb, inp_feat, pos, None)  # [B, T-1, H]: predicts f[t+1]
-    sel = batch.loss_mask[:, 1:]
-    p_hat, f_true = pred[sel], feat[:, 1:][sel]  # [M, H]
+    core = head.module if hasattr(head, "module") else head  # DDP wraps the head
+    kv = TrainKV() if ttt_steps > 1 else None
+    pred = head(emb, inp_feat, pos, kv)  # [B, n, H]: step 0, predicts f[p+1]
+    sel = batch.loss_mask[:, 1:]  # [B, n]
+    f_true = feat[:, 1:][sel]  # [M, H]
     m = int(sel.sum())
     if m == 0:
         zero = pred.sum() * 0.0
         return LossParts(zero, zero, zero, zero.detach(), 0)
-    reg = F.smooth_l1_loss(p_hat, f_true)
-    core = head.module if hasattr(head, "module") else head  # DDP wraps the head
-    w = core.lm_weight(target.lm_head.weight)  # [Vd, H]
-    # The LM-head matmuls run on M rows padded up to a multiple of ROW_BUCKET: with a bf16 target,
-    # oneDNN caches a primitive (with a reordered copy of w) per distinct shape, and M differs at
-    # nearly every step, so unpadded shapes grew the process by about 8 MB per step (12 GiB peak).
-    pad = (0, 0, 0, (-m) % ROW_BUCKET)
+    w = core.lm_weight(target.lm_head.weight)  # [Vd, H] the head's LM head
+    if core.kind == "eagle3":
+        w_reg = 0.0  # its output is a hidden state of its own, not the target's feature
     with torch.no_grad():
-        t_logits = F.linear(F.pad(f_true.to(w.dtype), pad), w)[:m].float()
-        t_prob = t_logits.softmax(-1)
-    d_logp = F.linear(F.pad(p_hat.to(w.dtype), pad), w)[:m].float().log_softmax(-1)
-    cls = -(t_prob * d_logp).sum(-1).mean()
-    acc = (d_logp.argmax(-1) == t_logits.argmax(-1)).float().mean()
-    return LossParts(reg + w_cls * cls, reg.detach(), cls.detach(), acc.detach(), m)
+        t_logits = _rows_linear(f_true, target_vocab_weight(core, target)).float()  # [M, Vd]
+        t_prob, t_top = t_logits.softmax(-1), t_logits.argmax(-1)
+    total, stats, valid = None, [], sel
+    for s in range(ttt_steps):
+        if s > 0:
+            prev = F.pad(pred[:, :-1], (0, 0, 1, 0))  # [B, n, H]: query p gets its chain's output at p - 1
+            valid = chain_valid(sel, s)
+            if not bool(valid.any()):
+                break  # later steps score even fewer positions
+            pred = core.step(emb, prev, pos, kv, chain_mask(n, s, tok.device))  # own outputs: no fc fusion
+        keep = None if s == 0 else valid[sel]  # [M] step 0's rows this step still scores
+        p_hat = pred[valid]  # [Ms, H]
+        f_s, prob_s, top_s = (f_true, t_prob, t_top) if keep is None else (f_true[keep], t_prob[keep], t_top[keep])
+        reg = F.smooth_l1_loss(p_hat, f_s) if w_reg else p_hat.new_zeros(())
+        d_logp = _rows_linear(core.readout(p_hat), w).float().log_softmax(-1)
+        cls = -(prob_s * d_logp).sum(-1).mean()
+        acc = (d_logp.argmax(-1) == top_s).float().mean()
+        term = w_reg * reg + w_cls * cls
+        total = term if s == 0 else total + decay ** s * term
+        stats.append(torch.stack([reg.detach(), cls.detach(), acc.detach()]))
+    per_step = torch.stack(stats)  # [N', 3]
+    return LossParts(total, per_step[0, 0], per_step[0, 1], per_step[0, 2], m, per_step)
+
+
+def target_vocab_weight(head, target: Transformer) -> torch.Tensor:
+    """The target's LM-head rows for the head's draft vocabulary, in the head's order: [Vd, H].
+    EAGLE-1/2 heads score with exactly these rows; an EAGLE-3 head has an LM head of its own."""
+    w = target.lm_head.weight
+    if head.kind != "eagle3":
+        return head.lm_weight(w)
+    return w[head.to_target_ids(torch.arange(head.draft_vocab, device=w.device))]
+
+
+def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, H] @ w.T in w's dtype -> [M, V], with M padded up to a multiple of ROW_BUCKET: with a
+    bf16 target, oneDNN caches a primitive (with a reordered copy of w) per distinct shape, and M
+    differs at nearly every step, so unpadded shapes grew the process by about 8 MB per step
+    (12 GiB peak)."""
+    m = x.shape[0]
+    return F.linear(F.pad(x.to(w.dtype), (0, 0, 0, (-m) % ROW_BUCKET)), w)[:m]
 
 
 @torch.no_grad()
 def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, features: torch.Tensor,
-                   loss_mask: torch.Tensor, steps: int = 5) -> tuple[list[int], list[int]]:
-    """n-alpha counts for one sequence. tokens [T], features [T, H], loss_mask [T] ->
+                   loss_mask: torch.Tensor, steps: int = 5, inputs: torch.Tensor | None = None
+                   ) -> tuple[list[int], list[int]]:
+    """n-alpha counts for one sequence. tokens [T], features [T, H] (the target's final ones),
+    loss_mask [T], inputs [T, F] (the head's feature input when not `features`: EAGLE-3) ->
     (hits[n], totals[n]) for n = 0..steps-1."""
     t = tokens.numel() - 1  # pairs (x[p+1], f[p]) for p = 0..t-1
     if t < 1:
@@ -95,26 +200,19 @@ def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, f
     pos = torch.arange(t, device=dev)[None]
     p = torch.arange(t, device=dev)
     hits, totals = [], []
-    out = head(emb, feats[:-1][None], pos, cache)  # step 0: real features, causal
+    inp = feats if inputs is None else inputs.to(feats.dtype)
+    out = head(emb, inp[:-1][None], pos, cache)  # step 0: real features, causal
     for n in range(steps):
         valid = loss_mask[1:] & (p >= n)
-        pred = head.to_target_ids(F.linear(out[0], w_draft).argmax(-1))
+        pred = head.to_target_ids(F.linear(head.readout(out[0]), w_draft).argmax(-1))
         hits.append(int(((pred == want) & valid).sum()))
         totals.append(int(valid.sum()))
         if n + 1 == steps:
             break
         # step n+1: query p takes its chain's previous output (at p - 1) as feature
         prev = torch.cat([out[0, :1] * 0, out[0, :-1]], 0)[None]
-        s = n + 1
-        cols = cache.length + t
-        mask = torch.zeros(t, cols, dtype=torch.bool, device=dev)
-        real_cols = torch.arange(t, device=dev)
-        mask[:, :t] = real_cols[None, :] <= (p - s)[:, None]  # real pairs up to p - s
-        for m in range(1, s + 1):  # step m's key of this chain sits at position p - s + m
-            qpos = p - s + m
-            ok = qpos >= 0
-            mask[p[ok], m * t + qpos[ok]] = True
-        out = head(emb, prev, pos, cache, mask)
+        mask = chain_mask(t, n + 1, dev)  # [t, cache.length + t]
+        out = head.step(emb, prev, pos, cache, mask)
     return hits, totals
 
 

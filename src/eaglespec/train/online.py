@@ -8,13 +8,14 @@ import torch
 from ..model import Transformer
 from .data import TokenizedSample
 from .features import target_features
+from .loss import Sample
 
 
 class OnlineStore:
     """Same interface as loop.SampleStore; runs the target on demand (one sample at a time)."""
 
-    def __init__(self, target: Transformer, samples: list[TokenizedSample]) -> None:
-        self.target, self.samples = target, samples
+    def __init__(self, target: Transformer, samples: list[TokenizedSample], input_layers: tuple[int, ...] = ()) -> None:
+        self.target, self.samples, self.input_layers = target, samples, tuple(input_layers)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -22,8 +23,9 @@ class OnlineStore:
     def length(self, i: int) -> int:
         return len(self.samples[i])
 
-    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def get(self, i: int) -> Sample:
         s = self.samples[i]
-        feats, _ = target_features(self.target, s.input_ids)
-        return (torch.tensor(s.input_ids, dtype=torch.long), feats.to(torch.bfloat16).cpu(),
-                torch.tensor(s.loss_mask, dtype=torch.bool))
+        feats, hidden = target_features(self.target, s.input_ids, self.input_layers)
+        inputs = torch.cat([hidden[k] for k in self.input_layers], -1).to(torch.bfloat16).cpu() if self.input_layers else None
+        return Sample(torch.tensor(s.input_ids, dtype=torch.long), feats.to(torch.bfloat16).cpu(),
+                      torch.tensor(s.loss_mask, dtype=torch.bool), inputs)
