@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=24, help="packaged ShareGPT conversations measured")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--vocab-conversations", type=int, default=800,
+                   help="conversations the draft vocabulary is counted over (a few dozen hold too few distinct "
+                        "tokens: the LM head, a large share of a step, would be priced too cheap)")
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=3, help="before/after alternations per phase")
     p.add_argument("--ttt-steps", type=int, default=1)
@@ -94,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     before = EagleSpec.load(args.model, quant=args.before_quant).target
     after_engine = EagleSpec.load(args.model, quant=args.after_quant)
     after = after_engine.target
-    convs = load_conversations(None, limit=4 * args.conversations).conversations
-    samples = [tokenize_conversation(after_engine.tokenizer.hf, c, args.max_length) for c in convs]
-    samples = [s for s in samples if s.num_loss_tokens > 0 and len(s) > 1][: args.conversations]
+    convs = load_conversations(None, limit=max(4 * args.conversations, args.vocab_conversations)).conversations
+    tokenized = [tokenize_conversation(after_engine.tokenizer.hf, c, args.max_length) for c in convs]
+    tokenized = [s for s in tokenized if s.num_loss_tokens > 0 and len(s) > 1]
+    samples = tokenized[: args.conversations]
     n_tok = sum(len(s) for s in samples)
     phases = args.phases.split(",")
     report: dict = {"samples": len(samples), "tokens": n_tok, "threads": torch.get_num_threads(), "args": vars(args)}
@@ -120,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if "train" in phases:
         batches = batches_of(samples, feats, args.batch_tokens)
-        vocab = frequent_tokens(samples, args.draft_vocab, after.config.eos_token_ids).token_ids
+        vocab = frequent_tokens(tokenized[: args.vocab_conversations], args.draft_vocab,
+                                after.config.eos_token_ids).token_ids
+        report["draft_vocab"] = int(vocab.numel())
         runs = {}
         for name, ac in (("before", args.before_autocast), ("after", args.after_autocast)):
             head = init_head_(DraftHead(after.config), 0)
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 rates[name].add(n_tok, time.perf_counter() - t0)
         report["train"] = {k: {"tokens_per_s": v.tokens_per_s, "per_round": v.per_round,
                                "median": statistics.median(v.per_round)} for k, v in rates.items()}
-        print(f"train (ttt-steps {args.ttt_steps}, {len(batches)} batches): before (autocast "
+        print(f"train (ttt-steps {args.ttt_steps}, {len(batches)} batches, draft vocabulary {vocab.numel()}): before (autocast "
               f"{args.before_autocast}) {rates['before'].tokens_per_s:.0f} tokens/s, after (autocast "
               f"{args.after_autocast}) {rates['after'].tokens_per_s:.0f} tokens/s: "
               f"{rates['after'].tokens_per_s / rates['before'].tokens_per_s:.2f}x", file=sys.stderr)
