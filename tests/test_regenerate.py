@@ -171,3 +171,30 @@ def test_train_regenerate_trains_on_the_rewritten_answers(tmp_path, tiny_chat_ch
     recs = records(out / "regenerated.jsonl")
     assert len(recs) == 12 and all("original" not in r["messages"][1]["content"] for r in recs.values())
     assert json.loads((out / "features" / "manifest.json").read_text())["regenerate"] is True
+
+
+def test_draft_vocab_counts_an_extra_dataset(tmp_path, tiny_chat_checkpoint, isolated_cache, monkeypatch):
+    """--draft-vocab-data: a narrower training set (regenerated answers) takes its draft vocabulary
+    from more text; a missing file is refused."""
+    from safetensors.torch import load_file
+
+    from eaglespec.train.cli import main
+
+    monkeypatch.delenv("EAGLESPEC_DEBUG", raising=False)
+    data, extra = tmp_path / "d.jsonl", tmp_path / "extra.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "hello"},
+                                                     {"role": "assistant", "content": "the cat sat on mat"}]}) + "\n"
+                            for _ in range(8)))
+    extra.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"},
+                                              {"role": "assistant", "content": " ".join(["river"] * 20)}]}) + "\n")
+    base = ["--model", str(tiny_chat_checkpoint), "--dtype", "fp32", "--data", str(data), "--max-length", "32",
+            "--shard-size", "4", "--batch-tokens", "128", "--max-steps", "1", "--eval-every", "0", "--no-progress",
+            "--draft-vocab", "4", "--val-fraction", "0"]
+    vocab = {}
+    for name, more in (("plain", []), ("extra", ["--draft-vocab-data", str(extra)])):
+        assert main(base + ["--out", str(tmp_path / name)] + more) == 0
+        vocab[name] = load_file(str(tmp_path / name / "head" / "draft_vocab.safetensors"))["token_ids"].tolist()
+    spec = EagleSpec.load(str(tiny_chat_checkpoint), dtype="fp32")
+    river = spec.tokenizer.encode("river")[0]
+    assert river in vocab["extra"] and river not in vocab["plain"]
+    assert main(base + ["--out", str(tmp_path / "bad"), "--draft-vocab-data", str(tmp_path / "missing.jsonl")]) == 2

@@ -52,6 +52,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regenerate-batch", type=int, default=32, help="answers decoded together")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="reduced draft vocabulary: the N most frequent answer tokens (0 = the target's full vocabulary)")
+    p.add_argument("--draft-vocab-data", default=None, metavar="FILE",
+                   help="also count this dataset's answer tokens for --draft-vocab (e.g. the original answers "
+                        "when training on regenerated ones, whose vocabulary is narrower)")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=True, help="fc bias (EAGLE-1/2: yes)")
     p.add_argument("--head", default="eagle", choices=["eagle", "eagle3"],
                    help="eagle: EAGLE-1/2 head (the target's top feature, its LM head); eagle3: three fused "
@@ -129,7 +132,19 @@ def build_samples(engine, args, convs, rank: int):
     return samples, list(split.train), list(split.val)
 
 
-def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], rank: int):
+def vocab_samples(args, tokenizer) -> list:
+    """The extra samples whose answer tokens --draft-vocab-data adds to the count."""
+    if not getattr(args, "draft_vocab_data", None):
+        return []
+    from .data import DataError, load_conversations, tokenize_conversation
+
+    report = load_conversations(args.draft_vocab_data)
+    if not report.conversations:
+        raise DataError(f"--draft-vocab-data {args.draft_vocab_data}: no usable conversation ({report.summary()})")
+    return [tokenize_conversation(tokenizer, c, args.max_length) for c in report.conversations]
+
+
+def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], rank: int, extra_vocab=()):
     """The head to train, seeded: EAGLE-1/2 (`--head eagle`) or EAGLE-3, with its draft vocabulary
     (the --draft-vocab most frequent answer tokens of the training split)."""
     from ..draft import DraftHead, init_head_
@@ -140,7 +155,7 @@ def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], ra
     cfg, device = target.config, target.device
     ids = None
     if args.draft_vocab and args.draft_vocab < cfg.vocab_size:
-        dv = frequent_tokens([samples[i] for i in train_ids], args.draft_vocab, cfg.eos_token_ids)
+        dv = frequent_tokens([samples[i] for i in train_ids] + list(extra_vocab), args.draft_vocab, cfg.eos_token_ids)
         ids = dv.token_ids
         if rank == 0:
             val_cov = coverage(ids, [samples[i] for i in val_ids]) if val_ids else float("nan")
@@ -182,7 +197,7 @@ def cmd_train(args) -> int:
     if rank == 0:
         print(f"{len(samples):,} samples, {n_tok:,} tokens ({sum(s.num_loss_tokens for s in samples):,} assistant); "
               f"{len(train_ids):,} train / {len(val_ids):,} validation", file=sys.stderr)
-    head = new_head(args, target, samples, train_ids, val_ids, rank)
+    head = new_head(args, target, samples, train_ids, val_ids, rank, vocab_samples(args, engine.tokenizer.hf))
     layers = tuple(head.target_layers or ())  # hidden states the head reads (EAGLE-3)
     feat_dir = out / "features"
     if args.online:
