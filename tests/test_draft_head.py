@@ -98,13 +98,15 @@ def released_config(cfg, bias=True, qwen=False) -> dict:
     return d
 
 
-def write_released(path, cfg_dict, tensors, fmt: str) -> None:
+def write_released(path, cfg_dict, tensors, fmt: str = "safetensors"):
+    """A head directory as released heads ship: config.json plus safetensors or a .bin."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg_dict))
     if fmt == "bin":
         torch.save(tensors, path / "pytorch_model.bin")
     else:
         save_file(tensors, str(path / "model.safetensors"))
+    return path
 
 
 @pytest.fixture

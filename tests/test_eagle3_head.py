@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eaglespec.config import ConfigError, ModelConfig, SamplingConfig, TreeConfig
 from eaglespec.draft import Drafter, init_random_head, load_head, save_head
@@ -28,6 +27,7 @@ from eaglespec.spec.propose import Proposer
 
 from spec_helpers import (OracleProposer, RecordingEngine, SyncCounter, TrackingProposer, chi_square_pvalue,
                           engine_tokens, exact_sequence_probs, run_generate, single_thread)
+from test_draft_head import write_released as write_head
 from tiny import tiny_config, tiny_model
 
 LAYERS = (1, 2, 3)  # low, mid, high of a 4-layer target
@@ -81,16 +81,6 @@ def released_config(cfg: ModelConfig, draft_vocab: int, layers=LAYERS) -> dict:
             "rope_theta": cfg.rope_theta, "rope_scaling": None, "tie_word_embeddings": False,
             "vocab_size": cfg.vocab_size, "draft_vocab_size": draft_vocab, "torch_dtype": "bfloat16",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers), "use_aux_hidden_state": True}}
-
-
-def write_head(path, conf: dict, tensors: dict, fmt: str = "safetensors"):
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(conf))
-    if fmt == "bin":
-        torch.save(tensors, path / "pytorch_model.bin")
-    else:
-        save_file(tensors, str(path / "model.safetensors"))
-    return path
 
 
 @pytest.fixture(scope="module")

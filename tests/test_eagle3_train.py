@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from eaglespec.eagle3 import Eagle3Head, init_eagle3_head
 from eaglespec.kv_cache import KVCache
-from eaglespec.train.features import dump_features, shard_path
+from eaglespec.train.features import shard_path
 from eaglespec.train.loop import SampleStore, TrainConfig, collate, evaluate, train
 from eaglespec.train.loss import Batch, chain_accuracy, eagle_loss, target_vocab_weight
 
-from test_train_loop import make_samples, read_log, target_model, train_argv, write_chat_data
+from test_train_loop import dumped_store, read_log, train_argv, write_chat_data
 from tiny import tiny_config
 
 LAYERS = (0, 1, 1)  # the 2-layer tiny target: default_target_layers clamps (2, 1, -1) the same way
@@ -25,10 +25,7 @@ LAYERS = (0, 1, 1)  # the 2-layer tiny target: default_target_layers clamps (2, 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("e3_features")
-    samples = make_samples(24, seed=5)
-    target = target_model()
-    dump_features(target, samples, d, 8, hidden_layers=LAYERS, progress=False)
-    return target, SampleStore([shard_path(d, i) for i in range(3)], LAYERS), d
+    return (*dumped_store(d, seed=5, layers=LAYERS), d)
 
 
 def fresh_e3(target, seed: int = 0, vocab: int = 40) -> Eagle3Head:

@@ -148,13 +148,16 @@ def test_feature_dump_resumes_after_sigkill(tmp_path, reference_dump, kill):
 
 
 # --- 2./3. the loop on a tiny target ----------------------------------------------------------
+def dumped_store(d: Path, seed: int, layers: tuple[int, ...] = ()):
+    """The tiny target and a store over 24 random samples dumped into d (3 shards of 8)."""
+    target = target_model()
+    dump_features(target, make_samples(24, seed=seed), d, 8, hidden_layers=layers, progress=False)
+    return target, SampleStore([shard_path(d, i) for i in range(3)], layers)
+
+
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    d = tmp_path_factory.mktemp("loop_features")
-    samples = make_samples(24, seed=1)
-    target = target_model()
-    dump_features(target, samples, d, 8, progress=False)
-    store = SampleStore([shard_path(d, i) for i in range(3)])
+    target, store = dumped_store(tmp_path_factory.mktemp("loop_features"), seed=1)
     return target, store, list(range(20)), list(range(20, 24))
 
 

@@ -15,11 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglespec.train.features import dump_features, shard_path
 from eaglespec.train.loop import SampleStore, TrainConfig, collate, train
 from eaglespec.train.loss import Batch, chain_valid, eagle_loss
 
-from test_train_loop import fresh_head, make_samples, target_model
+from test_train_loop import dumped_store, fresh_head
 
 TESTS = Path(__file__).resolve().parent
 
@@ -27,10 +26,8 @@ TESTS = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def ttt_setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("ttt_features")
-    samples = make_samples(24, seed=2)
-    target = target_model()
-    dump_features(target, samples, d, 8, progress=False)
-    return target, d, SampleStore([shard_path(d, i) for i in range(3)])
+    target, store = dumped_store(d, seed=2)
+    return target, d, store
 
 
 def odd_batch(store: SampleStore, device) -> Batch:

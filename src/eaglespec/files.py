@@ -3,6 +3,7 @@ permissions, and removal of temporary files that a killed process left behind.""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -67,6 +68,19 @@ def atomic_path(path: Path) -> Iterator[str]:
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_path(Path(path)) as tmp:
         Path(tmp).write_text(text)
+
+
+def pin_settings(path: Path, info: dict, refusal: str, error: type[ValueError] = ValueError) -> None:
+    """Record `info` in `path` (JSON) on first use; afterwards refuse other settings with
+    `refusal` followed by the keys that differ (an output made one way must not be extended
+    another way)."""
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != info:
+            diff = sorted(k for k in set(old) | set(info) if old.get(k) != info.get(k))
+            raise error(f"{refusal} ({', '.join(diff)})")
+        return
+    atomic_write_text(path, json.dumps(info, indent=2))
 
 
 def remove_stale_temps(directory: Path, now: float | None = None) -> list[Path]:

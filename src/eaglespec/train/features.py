@@ -9,7 +9,6 @@ between or inside shards loses at most the shard in progress.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..files import remove_stale_temps
+from ..files import pin_settings, remove_stale_temps
 from ..model import Transformer
 from ..weights import atomic_save_safetensors
 from .data import TokenizedSample
@@ -65,17 +64,8 @@ def shard_path(out: Path, i: int) -> Path:
 def write_manifest(out: Path, info: dict) -> None:
     """Record what the features were made from; refuse to mix dumps made differently."""
     out.mkdir(parents=True, exist_ok=True)
-    path = out / MANIFEST
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if old != info:
-            diff = sorted(k for k in set(old) | set(info) if old.get(k) != info.get(k))
-            raise ValueError(f"{out} holds features made with other settings ({', '.join(diff)}); "
-                             "use another --out directory or delete it")
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.replace(path)
+    pin_settings(out / MANIFEST, info, f"{out} holds features made with other settings; use another --out "
+                 "directory or delete it; they differ in")
 
 
 @torch.inference_mode()

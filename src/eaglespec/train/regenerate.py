@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..config import SamplingConfig
-from ..files import atomic_write_text
+from ..files import atomic_write_text, pin_settings
 from .data import Conversation, DataError
 
 
@@ -89,15 +89,15 @@ def _read_done(path: Path) -> dict[str, dict]:
     done: dict[str, dict] = {}
     if not path.is_file():
         return done
+    raw = path.read_bytes()
     good, bad = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in raw.decode("utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
             done[rec["id"]] = rec
             good.append(line)
         except (json.JSONDecodeError, KeyError, TypeError):
             bad += 1
-    raw = path.read_bytes()
     if bad or (raw and not raw.endswith(b"\n")):
         atomic_write_text(path, "".join(x + "\n" for x in good))
     return done
@@ -106,16 +106,10 @@ def _read_done(path: Path) -> dict[str, dict]:
 def _check_meta(path: Path, meta: dict) -> None:
     """Refuse to append answers made with other settings to an existing file."""
     side = path.with_name(path.name + ".meta.json")
-    if side.is_file():
-        old = json.loads(side.read_text())
-        if old != meta:
-            diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
-            raise DataError(f"{path} holds answers made with other settings ({', '.join(diff)}); "
-                            "use another output file or delete it and its .meta.json")
-    elif path.is_file() and path.stat().st_size > 0:
+    if not side.is_file() and path.is_file() and path.stat().st_size > 0:
         raise DataError(f"{path} exists but has no {side.name}: not a file `regenerate` wrote; use another output file")
-    else:
-        atomic_write_text(side, json.dumps(meta, indent=2))
+    pin_settings(side, meta, f"{path} holds answers made with other settings; use another output file or "
+                 "delete it and its .meta.json; they differ in", DataError)
 
 
 class _Chat:
@@ -204,8 +198,7 @@ def regenerate(es, convs: list[Conversation], out: Path, cfg: RegenConfig | None
                 report.answers += 1
                 report.tokens += req.stats.new_tokens
                 report.stop_reasons[req.stats.stop_reason] = report.stop_reasons.get(req.stats.stop_reason, 0) + 1
-                if submit(chat):
-                    continue
+                submit(chat)
             report.seconds = time.perf_counter() - t0
             bar.set_postfix(tok_s=f"{report.tokens / max(report.seconds, 1e-9):.0f}")
     bar.close()
