@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
-import torch
-
-from eaglespec.api import EagleSpec
-from eaglespec.config import TreeConfig
+from eaglespec.api import EagleSpec, set_threads
+from eaglespec.config import SamplingConfig, TreeConfig
 from eaglespec.runtime.engine import Request
 
 
@@ -33,9 +30,11 @@ def main() -> None:
     ap.add_argument("--trees", nargs="+", default=["16,5,4", "12,4,4", "8,3,4"], help="total_tokens,depth,top_k")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quant", default="auto")
+    ap.add_argument("--draft", default="default", help="head directory (default: the shipped head)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeded by the prompt's index")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
-    e = EagleSpec.load(dtype=args.dtype, draft="default", quant=args.quant)
+    set_threads()
+    e = EagleSpec.load(dtype=args.dtype, draft=args.draft, quant=args.quant)
     lines = [x for x in Path(args.data).read_text().splitlines() if x.strip()]
     prompts = [e.encode(first_turn(json.loads(x)))[1] for x in lines[args.skip: args.skip + args.prompts]]
     arms = [None] + [TreeConfig("eagle2", *map(int, t.split(","))) for t in args.trees]
@@ -43,14 +42,16 @@ def main() -> None:
     for j, ids in enumerate(prompts):
         order = list(enumerate(arms))
         for i, tree in order[j % len(arms):] + order[: j % len(arms)]:  # rotate to spread drift
-            r = Request(ids, "vanilla" if tree is None else "eagle2", tree, max_new_tokens=args.max_new_tokens)
+            sampling = SamplingConfig(temperature=args.temperature, seed=j)
+            r = Request(ids, "vanilla" if tree is None else "eagle2", tree, sampling, max_new_tokens=args.max_new_tokens)
             t0 = time.perf_counter()
             e.engine.run([r])
             acc[i][0] += len(r.pending_tokens)
             acc[i][1] += time.perf_counter() - t0
             acc[i][2] += r.stats.steps
     base = acc[0][0] / acc[0][1]
-    print(f"{e.target.dtype}, {len(prompts)} prompts of {args.data}, {args.max_new_tokens} new tokens")
+    print(f"{e.target.dtype} {e.target.quant}, head {args.draft}, T={args.temperature}, {len(prompts)} prompts of "
+          f"{args.data}, {args.max_new_tokens} new tokens")
     print("| tree (total, depth, top-k) | tokens/s | speedup | tau |\n|---|---|---|---|")
     for tree, (n, wall, steps) in zip(arms, acc):
         name = "vanilla" if tree is None else f"{tree.total_tokens}, {tree.depth}, {tree.top_k}"
