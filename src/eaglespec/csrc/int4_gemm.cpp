@@ -1,0 +1,155 @@
+// Row-invariant W4A8 GEMM for CPUs with AVX512-VNNI: y[M, N] (bf16) = x[M, K] (bf16) W^T, with W as
+// 4-bit codes in groups of 32 inputs (w = q * scale + zero8 per group, q in 0..15).
+//
+// Owns: the activation quantisation (int8 per row per group of 32, like llama.cpp's Q8_0) and the
+// integer product. The weight layout is built in Python (eaglespec/kernels.py, pack_int4):
+//   codes  u8 [N/16, K/32, 256]: per tile of 16 outputs and group of 32 inputs, 4 chunks of 64
+//          bytes; byte 4*j + b of chunk c holds output j's code for input 4c + b in its low nibble
+//          and for input 16 + 4c + b in its high one, so one vpdpbusd takes 4 inputs x 16 outputs.
+//   params f32 [N/16, K/32, 2, 16]: the tile's scales, then zero8 = zero - 8 * scale.
+// Per row m and group g: d = max|x| / 127, a = round(x / d) (as x * (1/d)), A = sum a, S_n = sum q a;
+//   acc_n += (float(S_n) * (scale_n * d) + zero8_n * (d * A))   -- each op rounded in fp32, no FMA,
+// groups in order. Nothing depends on M or on the thread split (threads take whole output tiles),
+// so a row's output is the same bits alone or among others; tests/test_int4_kernel.py checks
+// this against a torch reference of the same operations, bit for bit.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdint>
+
+namespace {
+
+constexpr int kGroup = 32;
+constexpr int kTile = 16;
+
+// x: bf16 [M, K] -> a: int8 [M, K], d: f32 [M, G] (activation scale), c: f32 [M, G] (d * sum a).
+void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* a, float* d, float* c) {
+  const int64_t G = K / kGroup;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* xs = x + m * K + g * kGroup;
+      // bf16 -> f32 is a 16-bit shift (exact)
+      __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)xs)), 16));
+      __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xs + 16))), 16));
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      float dg = amax / 127.0f;
+      float inv = dg != 0.0f ? 1.0f / dg : 0.0f;
+      const __m512 vinv = _mm512_set1_ps(inv);
+      // round half to even, as torch.round
+      __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, vinv),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, vinv),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      int8_t* as = a + m * K + g * kGroup;
+      _mm_storeu_si128((__m128i*)as, _mm512_cvtepi32_epi8(qlo));
+      _mm_storeu_si128((__m128i*)(as + 16), _mm512_cvtepi32_epi8(qhi));
+      int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      d[m * G + g] = dg;
+      c[m * G + g] = dg * (float)sum;
+    }
+  }
+}
+
+// f32 -> bf16, round to nearest even (torch's .to(bfloat16) for finite values; NaN kept NaN)
+inline __m256i to_bf16(__m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// R rows (consecutive, from row m0) x one tile of 16 outputs. R only sets how many rows share a
+// weight load; each row's operations are the same for any R.
+template <int R>
+void tile_rows(const uint8_t* codes, const float* params, int64_t G, const int8_t* a, const float* d,
+               const float* c, int64_t K, int64_t m0, uint16_t* y, int64_t N, int64_t n0) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = codes + g * 256;
+    __m512i w[8];  // w[s]: inputs 4s..4s+3 of the group, 16 outputs
+    for (int ch = 0; ch < 4; ++ch) {
+      __m512i v = _mm512_loadu_si512((const void*)(wg + 64 * ch));
+      w[ch] = _mm512_and_si512(v, nib);
+      w[ch + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+    const __m512 scale = _mm512_loadu_ps(params + g * 32);
+    const __m512 zero8 = _mm512_loadu_ps(params + g * 32 + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* ag = a + (m0 + r) * K + g * kGroup;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: shorter latency
+#pragma GCC unroll 4
+      for (int st = 0; st < 4; ++st) {
+        int32_t f0, f1;
+        __builtin_memcpy(&f0, ag + 4 * st, 4);
+        __builtin_memcpy(&f1, ag + 16 + 4 * st, 4);
+        s0 = _mm512_dpbusd_epi32(s0, w[st], _mm512_set1_epi32(f0));
+        s1 = _mm512_dpbusd_epi32(s1, w[st + 4], _mm512_set1_epi32(f1));
+      }
+      const __m512i s = _mm512_add_epi32(s0, s1);  // integer: exact in any order
+      const float dg = d[(m0 + r) * (K / kGroup) + g];
+      const float cg = c[(m0 + r) * (K / kGroup) + g];
+      __m512 p1 = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(scale, _mm512_set1_ps(dg)));
+      __m512 p2 = _mm512_mul_ps(zero8, _mm512_set1_ps(cg));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(p1, p2));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256((__m256i*)(y + (m0 + r) * N + n0), to_bf16(acc[r]));
+}
+
+constexpr int kRows = 8;  // rows sharing one weight load (registers: 8 codes + kRows accumulators)
+
+// x: bf16 [M, K]; codes: u8 [N/16, K/32, 256]; params: f32 [N/16, K/32, 2, 16] -> bf16 [M, N]
+torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor params) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.size(2) == 256,
+              "codes: contiguous u8 [N/16, K/32, 256]");
+  TORCH_CHECK(params.dim() == 4 && params.scalar_type() == at::kFloat && params.is_contiguous(),
+              "params: contiguous f32 [N/16, K/32, 2, 16]");
+  const int64_t M = x.size(0), K = x.size(1), T = codes.size(0), G = codes.size(1), N = T * kTile;
+  TORCH_CHECK(K == G * kGroup && params.size(0) == T && params.size(1) == G, "shapes do not match");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  auto a = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto dc = torch::empty({2, M, G}, x.options().dtype(at::kFloat));
+  const int8_t* ap = a.data_ptr<int8_t>();
+  float* dp = dc.data_ptr<float>();
+  float* cp = dp + M * G;
+  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, a.data_ptr<int8_t>(), dp, cp);
+  const uint8_t* wp = codes.data_ptr<uint8_t>();
+  const float* pp = params.data_ptr<float>();
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // Threads split the output tiles only: every (row, output) is computed whole by one thread.
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = wp + t * G * 256;
+      const float* pt = pp + t * G * 32;
+      int64_t m = 0;
+      for (; m + kRows <= M; m += kRows) tile_rows<kRows>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile);
+      switch (M - m) {  // the last rows, fewer at a time: same operations per row
+        case 7: tile_rows<7>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
+        case 6: tile_rows<6>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
+        case 5: tile_rows<5>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
+        case 4: tile_rows<4>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
+        case 3: tile_rows<3>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
+        case 2: tile_rows<2>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
+        case 1: tile_rows<1>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
+        default: break;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_gemm", &int4_gemm, "row-invariant W4A8 GEMM: bf16 [M, K] x packed int4 [N, K] -> bf16 [M, N]");
+}
