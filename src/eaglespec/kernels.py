@@ -2,9 +2,9 @@
 
 Owns: deciding whether a kernel can run here (CPU features, `EAGLESPEC_KERNELS=0`, a compiler),
 building it with torch's JIT extension builder into ~/.cache/eaglespec/kernels/<hash> (the hash
-covers the source, torch, Python and the flags), loading a built one without the builder, and the
-weight layout the int4 kernel reads (`pack_int4`). Anything that fails gives None: callers keep
-torch's kernels.
+covers the sources, torch, Python and the flags), loading a built one without the builder, and the
+weight layouts the kernels read (`pack_int4`, `pack_int8`). Anything that fails gives None:
+callers keep torch's kernels.
 
 Concurrent builds: each process builds in its own temporary directory and renames it into place;
 the rename is atomic, and a process that loses the race loads the winner's build.
@@ -27,10 +27,11 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-INT4_SOURCE = CSRC / "int4_gemm.cpp"
-# Only the ISA the kernel needs: not -march=native, so one build serves any CPU that has these.
-INT4_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
-INT4_ISA = ("avx512_f", "avx512_bw", "avx512_vnni")
+SOURCES = {"int4": CSRC / "int4_gemm.cpp", "int8": CSRC / "int8_gemm.cpp"}  # each includes common.h
+# Only the ISA the kernels need: not -march=native, so one build serves any CPU that has these.
+# -ffp-contract=off: no fused multiply-adds, so the fp32 steps are the ones the tests reproduce.
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
+ISA = ("avx512_f", "avx512_bw", "avx512_vnni")
 
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -57,8 +58,8 @@ def _build(name: str, source: Path, flags: list[str]) -> ModuleType:
     """Build (or find built) `source` as extension module `name` in the cache; import it."""
     from torch.utils import cpp_extension
 
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), torch.__version__.encode(), sys.version.encode(),
-                                     " ".join(flags).encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), (CSRC / "common.h").read_bytes(), torch.__version__.encode(),
+                                     sys.version.encode(), " ".join(flags).encode()])).hexdigest()[:16]
     modname = f"{name}_{key}"
     final = cache_root() / modname
     so = final / f"{modname}{'.pyd' if sys.platform == 'win32' else '.so'}"  # the builder's name for it
@@ -88,29 +89,39 @@ def _build(name: str, source: Path, flags: list[str]) -> ModuleType:
     return module
 
 
-def int4_kernel() -> ModuleType | None:
-    """The W4A8 VNNI kernel module (`int4_gemm(x, codes, params)`), or None where it cannot run:
-    `EAGLESPEC_KERNELS=0`, a CPU without AVX512-VNNI (silently) or a failed build (one warning)."""
+def _kernel(kind: str) -> ModuleType | None:
     if os.environ.get("EAGLESPEC_KERNELS", "1") == "0":
         return None
-    if "int4" not in _loaded:
+    if kind not in _loaded:
         module = None
-        if set(INT4_ISA) <= cpu_features():
+        if set(ISA) <= cpu_features():
             try:
-                module = _build("eaglespec_int4", INT4_SOURCE, INT4_FLAGS)
+                module = _build(f"eaglespec_{kind}", SOURCES[kind], FLAGS)
             except Exception as e:  # no compiler, no headers, ...: torch's kernel it is
                 lines = str(e).strip().splitlines()
                 why = next((s for s in lines if "error" in s), lines[-1] if lines else type(e).__name__)
-                log.warning("eaglespec: could not build the int4 VNNI kernel (%s); using torch's int4 kernel",
-                            why.strip())
-        _loaded["int4"] = module
-    return _loaded["int4"]
+                log.warning("eaglespec: could not build the %s VNNI kernel (%s); using torch's %s kernel",
+                            kind, why.strip(), kind)
+        _loaded[kind] = module
+    return _loaded[kind]
+
+
+def int4_kernel() -> ModuleType | None:
+    """The W4A8 VNNI kernel module (`int4_gemm(x, codes, params)`), or None where it cannot run:
+    `EAGLESPEC_KERNELS=0`, a CPU without AVX512-VNNI (silently) or a failed build (one warning)."""
+    return _kernel("int4")
+
+
+def int8_kernel() -> ModuleType | None:
+    """The W8A8 VNNI kernel module (`int8_gemm(x, codes, wscale)`), or None, as `int4_kernel`."""
+    return _kernel("int8")
 
 
 GROUP, TILE = 32, 16  # inputs per scale; outputs per kernel tile
 
 
-def int4_kernel_fits(out_features: int, in_features: int) -> bool:
+def kernel_fits(out_features: int, in_features: int) -> bool:
+    """Shapes both VNNI kernels take: whole tiles of 16 outputs, whole groups of 32 inputs."""
     return out_features % TILE == 0 and in_features % GROUP == 0
 
 
@@ -125,3 +136,13 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple
     zero8 = zero.float() - 8 * scale.float()
     params = torch.stack([scale.float(), zero8], 0).view(2, t, TILE, g).permute(1, 3, 0, 2).contiguous()
     return codes, params
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 (q int8 [N, K] in -127..127, scales [N]) -> the W8A8 kernel's (codes u8
+    [N/16, K/32, 512] holding q + 128, wscale f32 [N]); layout in csrc/int8_gemm.cpp."""
+    n, k = q.shape
+    steps = q.view(torch.uint8).view(n // TILE, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, step, 16, 4]
+    codes = steps.contiguous().view(n // TILE, k // GROUP, 512)
+    codes.bitwise_xor_(0x80)  # two's complement q, xor the sign bit: q + 128 (one copy of the 28 MB head)
+    return codes, scales.float().contiguous()

@@ -35,9 +35,11 @@ from torch import nn
 
 QUANT_MODES = ("auto", "none", "int8", "int4")
 GROUP = 32  # weights per scale in the int4 layout (a GGUF block)
-# Which kernel new Int4Linear layers use: "vnni" (the package's W4A8 kernel where it builds and the
-# shape fits, else torch's) or "torch". Read when a layer is built; for benchmarks and tests.
+# Which kernels new Int4Linear / Int8Linear layers use: "vnni" (the package's W4A8 / W8A8 kernel
+# where it builds and the shape fits, else torch's) or "torch". Read when a layer is built; for
+# benchmarks and tests.
 INT4_KERNEL = "vnni"
+INT8_KERNEL = "vnni"
 
 
 class QuantError(ValueError):
@@ -47,7 +49,7 @@ class QuantError(ValueError):
 def int4_fits(out_features: int, in_features: int) -> bool:
     """Shapes torch's int4 CPU packing takes: input width a multiple of 64 (2 K-tiles of a group
     of 32 nibbles), output width a multiple of 16 (torch 2.13 refuses others). Every such shape
-    also fits the VNNI kernel (kernels.int4_kernel_fits)."""
+    also fits the VNNI kernel (kernels.kernel_fits)."""
     return in_features % 64 == 0 and out_features % 16 == 0
 
 
@@ -123,7 +125,7 @@ class Int4Linear(nn.Module):
         self.bias = bias
         self._vnni = None
         if ((kernel or INT4_KERNEL) == "vnni" and dtype == torch.bfloat16
-                and kernels.int4_kernel_fits(self.out_features, self.in_features)):
+                and kernels.kernel_fits(self.out_features, self.in_features)):
             self._vnni = kernels.int4_kernel()
         self.kernel = "torch" if self._vnni is None else "vnni"
         if self._vnni is not None:
@@ -158,22 +160,41 @@ def quantize_rows_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Te
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W as per-row symmetric int8, `_weight_int8pack_mm`.
+    """y = x W^T (+ b) with W as per-row symmetric int8, run by one of two kernels (`self.kernel`):
+    - "vnni" (eaglespec.kernels, bf16 only, N % 16 == 0, K % 32 == 0): activations rounded to int8
+      per row per group of 32, integer products, row scales in fp32;
+    - "torch" (`_weight_int8pack_mm`): bf16 activations, row scales rounded to bf16.
 
     keep_weight: keep a reference to the float weight as `.weight` for code that reads it (the
-    drafter reads the target's LM head; a tied head shares the embedding, so it costs nothing)."""
+    drafter reads the target's LM head; a tied head shares the embedding, so it costs nothing).
+    kernel: "vnni" or "torch"; None reads `INT8_KERNEL` ("vnni" falls back as in Int4Linear)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False,
+                 kernel: str | None = None) -> None:
         super().__init__()
+        from eaglespec import kernels
+
         self.out_features, self.in_features = weight.shape
-        self.q, scales = quantize_rows_int8(weight)
-        self.scales = scales.to(weight.dtype)
+        q, scales = quantize_rows_int8(weight)
+        self._vnni = None
+        if ((kernel or INT8_KERNEL) == "vnni" and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and kernels.kernel_fits(self.out_features, self.in_features)):
+            self._vnni = kernels.int8_kernel()
+        self.kernel = "torch" if self._vnni is None else "vnni"
+        if self._vnni is not None:
+            self.codes, self.wscale = kernels.pack_int8(q, scales)
+        else:
+            self.q, self.scales = q, scales.to(weight.dtype)
         self.weight = weight if keep_weight else None
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        y = torch._weight_int8pack_mm(x.reshape(rows, self.in_features).contiguous(), self.q, self.scales)
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        if self._vnni is not None:
+            y = self._vnni.int8_gemm(x2, self.codes, self.wscale)
+        else:
+            y = torch._weight_int8pack_mm(x2, self.q, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -1,8 +1,7 @@
 // Row-invariant W4A8 GEMM for CPUs with AVX512-VNNI: y[M, N] (bf16) = x[M, K] (bf16) W^T, with W as
 // 4-bit codes in groups of 32 inputs (w = q * scale + zero8 per group, q in 0..15).
 //
-// Owns: the activation quantisation (int8 per row per group of 32, like llama.cpp's Q8_0) and the
-// integer product. The weight layout is built in Python (eaglespec/kernels.py, pack_int4):
+// Owns: the integer product and its layout (activations are quantised by common.h). The weight layout is built in Python (eaglespec/kernels.py, pack_int4):
 //   codes  u8 [N/16, K/32, 256]: per tile of 16 outputs and group of 32 inputs, 4 chunks of 64
 //          bytes; byte 4*j + b of chunk c holds output j's code for input 4c + b in its low nibble
 //          and for input 16 + 4c + b in its high one, so one vpdpbusd takes 4 inputs x 16 outputs.
@@ -12,55 +11,11 @@
 // groups in order. Nothing depends on M or on the thread split (threads take whole output tiles),
 // so a row's output is the same bits alone or among others; tests/test_int4_kernel.py checks
 // this against a torch reference of the same operations, bit for bit.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <cstdint>
+#include "common.h"
 
 namespace {
 
-constexpr int kGroup = 32;
-constexpr int kTile = 16;
-
-// x: bf16 [M, K] -> a: int8 [M, K], d: f32 [M, G] (activation scale), c: f32 [M, G] (d * sum a).
-void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* a, float* d, float* c) {
-  const int64_t G = K / kGroup;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      const uint16_t* xs = x + m * K + g * kGroup;
-      // bf16 -> f32 is a 16-bit shift (exact)
-      __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)xs)), 16));
-      __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xs + 16))), 16));
-      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      float dg = amax / 127.0f;
-      float inv = dg != 0.0f ? 1.0f / dg : 0.0f;
-      const __m512 vinv = _mm512_set1_ps(inv);
-      // round half to even, as torch.round
-      __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, vinv),
-                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, vinv),
-                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      int8_t* as = a + m * K + g * kGroup;
-      _mm_storeu_si128((__m128i*)as, _mm512_cvtepi32_epi8(qlo));
-      _mm_storeu_si128((__m128i*)(as + 16), _mm512_cvtepi32_epi8(qhi));
-      int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      d[m * G + g] = dg;
-      c[m * G + g] = dg * (float)sum;
-    }
-  }
-}
-
-// f32 -> bf16, round to nearest even (torch's .to(bfloat16) for finite values; NaN kept NaN)
-inline __m256i to_bf16(__m512 v) {
-  __m512i b = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
-}
+using namespace eaglespec;
 
 // R rows (consecutive, from row m0) x one tile of 16 outputs. R only sets how many rows share a
 // weight load; each row's operations are the same for any R.
@@ -119,10 +74,12 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor para
   if (M == 0) return y;
   auto a = torch::empty({M, K}, x.options().dtype(at::kChar));
   auto dc = torch::empty({2, M, G}, x.options().dtype(at::kFloat));
+  auto sums = torch::empty({M, G}, x.options().dtype(at::kInt));
   const int8_t* ap = a.data_ptr<int8_t>();
   float* dp = dc.data_ptr<float>();
   float* cp = dp + M * G;
-  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, a.data_ptr<int8_t>(), dp, cp);
+  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, a.data_ptr<int8_t>(), dp, cp,
+                sums.data_ptr<int32_t>());
   const uint8_t* wp = codes.data_ptr<uint8_t>();
   const float* pp = params.data_ptr<float>();
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
