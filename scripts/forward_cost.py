@@ -1,11 +1,11 @@
 """Forward cost of the default model by quant mode: k new tokens (a binary tree: node i's parent is
 (i - 1) // 2, so most nodes' ancestors are not contiguous) after a 512-token context, k = 1..64; modes interleaved round by round in one process,
 medians. Also prices the row-invariant (exact) attention against the plain and flash kernels,
-and the int4 mode's two kernels (the package's VNNI one where it builds, torch's).
+and the package's VNNI kernels (int4 linears, int8 LM head and int8 linears) against torch's.
 Prints a markdown table; asserts nothing.
 
   python scripts/forward_cost.py --rounds 7
-  python scripts/forward_cost.py --arms "bf16 int4;bf16 int4, torch kernel"   # only these rows
+  python scripts/forward_cost.py --arms "bf16 int4;bf16 int4, torch kernels"   # only these rows
 """
 
 from __future__ import annotations
@@ -54,20 +54,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ks = [int(x) for x in args.ks.split(",")]
-    rows = {  # row -> (mode, int4 kernel, attention kernel)
+    rows = {  # row -> (mode, int4 / int8 kernels, attention kernel)
         "bf16 none": ("none", "vnni", "exact"), "bf16 int8": ("int8", "vnni", "exact"),
         "bf16 int4": ("int4", "vnni", "exact"), "bf16 int4, plain attention": ("int4", "vnni", "plain"),
-        "bf16 int4, flash attention": ("int4", "vnni", "sdpa"), "bf16 int4, torch kernel": ("int4", "torch", "exact"),
+        "bf16 int4, flash attention": ("int4", "vnni", "sdpa"), "bf16 int4, torch kernels": ("int4", "torch", "exact"),
+        "bf16 int8, torch kernels": ("int8", "torch", "exact"),
     }
     if args.arms:
         rows = {name: rows[name] for name in args.arms.split(";")}
     models, arms = {}, {}
-    for name, (mode, int4_kernel, attn) in rows.items():
-        if (mode, int4_kernel) not in models:
-            quant.INT4_KERNEL = int4_kernel  # read when the int4 layers are built
-            models[(mode, int4_kernel)] = load_model(args.model, torch.bfloat16, quant=mode)[0]
-        arms[name] = (models[(mode, int4_kernel)], attn)
-    quant.INT4_KERNEL = "vnni"
+    for name, (mode, kernel, attn) in rows.items():
+        if (mode, kernel) not in models:
+            quant.INT4_KERNEL = quant.INT8_KERNEL = kernel  # read when the layers are built
+            models[(mode, kernel)] = load_model(args.model, torch.bfloat16, quant=mode)[0]
+        arms[name] = (models[(mode, kernel)], attn)
+    quant.INT4_KERNEL = quant.INT8_KERNEL = "vnni"
     ctx = torch.randint(0, 1000, (1, args.context))
     caches = {}
     with torch.inference_mode():

@@ -66,9 +66,11 @@ def _build(name: str, source: Path, flags: list[str]) -> ModuleType:
     if not so.exists():
         try:  # the pip-installed ninja may not be on PATH when the venv is not activated
             import ninja
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+            if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
+        print(f"eaglespec: building {name} (once per machine, about a minute)", file=sys.stderr, flush=True)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{modname}.", dir=final.parent))
         try:
