@@ -7,7 +7,8 @@ default model). The modes:
   with AVX512-VNNI) where it builds, else torch's `_weight_int4pack_mm_for_cpu`. A GGUF's Q4_0 / Q4_1 blocks are repacked as they are (Q4_1's
   w = d * q + m is scale d, zero m + 8d; Q4_0's w = d * (q - 8) is zero 0); float checkpoints are
   quantised on load (asymmetric min/max per group).
-- `int8`: per-output-row symmetric int8 run by `_weight_int8pack_mm`.
+- `int8`: per-output-row symmetric int8, run by the package's W8A8 kernel (csrc/int8_gemm.cpp)
+  where it builds, else `_weight_int8pack_mm`.
 - `none`: the float weights in the model's dtype.
 - `auto`: keep a GGUF's 4-bit (int4) or 8-bit (int8) linears quantised; float checkpoints stay
   float. Only on a CPU in bf16: the kernels' fp32 paths are many times slower than a float matmul
