@@ -1,9 +1,11 @@
 """Forward cost of the default model by quant mode: k new tokens (a binary tree: node i's parent is
 (i - 1) // 2, so most nodes' ancestors are not contiguous) after a 512-token context, k = 1..64; modes interleaved round by round in one process,
-medians. Also prices the row-invariant (exact) attention against the plain and flash kernels.
+medians. Also prices the row-invariant (exact) attention against the plain and flash kernels,
+and the package's VNNI kernels (int4 linears, int8 LM head and int8 linears) against torch's.
 Prints a markdown table; asserts nothing.
 
   python scripts/forward_cost.py --rounds 7
+  python scripts/forward_cost.py --arms "bf16 int4;bf16 int4, torch kernels"   # only these rows
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 
 import torch
 
-from eaglespec import attention
+from eaglespec import attention, quant
 from eaglespec.weights import DEFAULT_MODEL, load_model
 
 
@@ -48,15 +50,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ks", default="0,1,2,4,8,16,32,64", help="0: one token without a mask (plain decoding)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--arms", default="", help="row names to run, separated by ';' (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ks = [int(x) for x in args.ks.split(",")]
-    arms = {}
-    for quant in ("none", "int8", "int4"):
-        model, _ = load_model(args.model, torch.bfloat16, quant=quant)
-        arms[f"bf16 {quant}"] = (model, "exact")
-    arms["bf16 int4, plain attention"] = (arms["bf16 int4"][0], "plain")
-    arms["bf16 int4, flash attention"] = (arms["bf16 int4"][0], "sdpa")
+    rows = {  # row -> (mode, int4 / int8 kernels, attention kernel)
+        "bf16 none": ("none", "vnni", "exact"), "bf16 int8": ("int8", "vnni", "exact"),
+        "bf16 int4": ("int4", "vnni", "exact"), "bf16 int4, plain attention": ("int4", "vnni", "plain"),
+        "bf16 int4, flash attention": ("int4", "vnni", "sdpa"), "bf16 int4, torch kernels": ("int4", "torch", "exact"),
+        "bf16 int8, torch kernels": ("int8", "torch", "exact"),
+    }
+    if args.arms:
+        rows = {name: rows[name] for name in args.arms.split(";")}
+    models, arms = {}, {}
+    for name, (mode, kernel, attn) in rows.items():
+        if (mode, kernel) not in models:
+            quant.INT4_KERNEL = quant.INT8_KERNEL = kernel  # read when the layers are built
+            models[(mode, kernel)] = load_model(args.model, torch.bfloat16, quant=mode)[0]
+        arms[name] = (models[(mode, kernel)], attn)
+    quant.INT4_KERNEL = quant.INT8_KERNEL = "vnni"
     ctx = torch.randint(0, 1000, (1, args.context))
     caches = {}
     with torch.inference_mode():

@@ -2,20 +2,23 @@
 
 Decoding a small model on a CPU is bound by reading its weights (270 MB a token in bf16 for the
 default model). The modes:
-- `int4`: 4-bit weights in groups of 32 along the input, w = (q - 8) * scale + zero, run by torch's
-  `_weight_int4pack_mm_for_cpu`. A GGUF's Q4_0 / Q4_1 blocks are repacked as they are (Q4_1's
+- `int4`: 4-bit weights in groups of 32 along the input, w = (q - 8) * scale + zero, run by the
+  package's W4A8 kernel (csrc/int4_gemm.cpp: activations int8 per group of 32, integer products
+  with AVX512-VNNI) where it builds, else torch's `_weight_int4pack_mm_for_cpu`. A GGUF's Q4_0 / Q4_1 blocks are repacked as they are (Q4_1's
   w = d * q + m is scale d, zero m + 8d; Q4_0's w = d * (q - 8) is zero 0); float checkpoints are
   quantised on load (asymmetric min/max per group).
-- `int8`: per-output-row symmetric int8 run by `_weight_int8pack_mm`.
+- `int8`: per-output-row symmetric int8, run by the package's W8A8 kernel (csrc/int8_gemm.cpp)
+  where it builds, else `_weight_int8pack_mm`.
 - `none`: the float weights in the model's dtype.
 - `auto`: keep a GGUF's 4-bit (int4) or 8-bit (int8) linears quantised; float checkpoints stay
   float. Only on a CPU in bf16: the kernels' fp32 paths are many times slower than a float matmul
   (measured 90-190 ms for what bf16 does in 7-29 ms), and their CUDA packing differs.
 
-Both kernels are row-invariant (a row's output does not depend on the other rows computed with
-it; tests/test_row_invariance.py), which is what lets a verified tree reproduce plain decoding
-bit for bit. Their cost grows with the rows (they unpack the weights again for every 4 rows), so
-on a CPU they suit decoding and small trees; `scripts/forward_cost.py` prints the table.
+All these kernels are row-invariant (a row's output does not depend on the other rows computed
+with it; tests/test_row_invariance.py), which is what lets a verified tree reproduce plain
+decoding bit for bit. torch's cost grows with the rows (its kernels unpack the weights again for
+every 4 rows); the W4A8 kernel reads each weight block once for 8 rows; `scripts/forward_cost.py`
+and `scripts/int4_kernel_bench.py` print the tables.
 
 The LM head (the tied embedding: 21% of the default model's weights) becomes per-row int8 in the
 int4 and int8 modes: 4-bit output embeddings lose too much (llama.cpp keeps them 8-bit too); the
@@ -33,6 +36,11 @@ from torch import nn
 
 QUANT_MODES = ("auto", "none", "int8", "int4")
 GROUP = 32  # weights per scale in the int4 layout (a GGUF block)
+# Which kernels new Int4Linear / Int8Linear layers use: "vnni" (the package's W4A8 / W8A8 kernel
+# where it builds and the shape fits, else torch's) or "torch". Read when a layer is built; for
+# benchmarks and tests.
+INT4_KERNEL = "vnni"
+INT8_KERNEL = "vnni"
 
 
 class QuantError(ValueError):
@@ -41,8 +49,9 @@ class QuantError(ValueError):
 
 def int4_fits(out_features: int, in_features: int) -> bool:
     """Shapes torch's int4 CPU packing takes: input width a multiple of 64 (2 K-tiles of a group
-    of 32 nibbles), output width a multiple of 8."""
-    return in_features % 64 == 0 and out_features % 8 == 0
+    of 32 nibbles), output width a multiple of 16 (torch 2.13 refuses others). Every such shape
+    also fits the VNNI kernel (kernels.kernel_fits)."""
+    return in_features % 64 == 0 and out_features % 16 == 0
 
 
 def int8_fits(in_features: int) -> bool:
@@ -98,23 +107,42 @@ def int4_from_float(weight: torch.Tensor) -> Int4Weights:
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T (+ b) with W as `Int4Weights`, packed for torch's CPU kernel.
+    """y = x W^T (+ b) with W as `Int4Weights`, packed for one of two kernels (`self.kernel`):
+    - "vnni" (eaglespec.kernels, bf16 only, N % 16 == 0, K % 32 == 0): activations rounded to int8
+      per row per group of 32 (relative error up to 2^-8 of the group's largest), scale and zero
+      kept in fp32;
+    - "torch" (`_weight_int4pack_mm_for_cpu`): bf16 activations, scale and zero rounded to bf16
+      (relative 2^-9 per group).
 
-    The kernel takes scale and zero in the activations' dtype (bf16): that rounding (relative
-    2^-9 per group) is the only difference from the float weights the codes stand for."""
+    kernel: "vnni" or "torch"; None reads `INT4_KERNEL`. "vnni" falls back to "torch" where the
+    package's kernel cannot run (see `kernels.int4_kernel`) or the shape does not fit."""
 
-    def __init__(self, w: Int4Weights, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, w: Int4Weights, bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernel: str | None = None) -> None:
         super().__init__()
+        from eaglespec import kernels
+
         self.out_features, self.in_features = w.q.shape
+        self.bias = bias
+        self._vnni = None
+        if ((kernel or INT4_KERNEL) == "vnni" and dtype == torch.bfloat16
+                and kernels.kernel_fits(self.out_features, self.in_features)):
+            self._vnni = kernels.int4_kernel()
+        self.kernel = "torch" if self._vnni is None else "vnni"
+        if self._vnni is not None:
+            self.codes, self.params = kernels.pack_int4(w.q, w.scale, w.zero)
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q, 2)
         # [K // GROUP, N, 2]: the kernel's layout of (scale, zero)
         self.scale_zero = torch.stack([w.scale.t(), w.zero.t()], dim=-1).to(dtype).contiguous()
-        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, self.in_features), self.packed, GROUP,
-                                                       self.scale_zero)
+        if self._vnni is not None:
+            y = self._vnni.int4_gemm(x.reshape(rows, self.in_features).contiguous(), self.codes, self.params)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, self.in_features), self.packed, GROUP,
+                                                           self.scale_zero)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -133,22 +161,41 @@ def quantize_rows_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Te
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W as per-row symmetric int8, `_weight_int8pack_mm`.
+    """y = x W^T (+ b) with W as per-row symmetric int8, run by one of two kernels (`self.kernel`):
+    - "vnni" (eaglespec.kernels, bf16 only, N % 16 == 0, K % 32 == 0): activations rounded to int8
+      per row per group of 32, integer products, row scales in fp32;
+    - "torch" (`_weight_int8pack_mm`): bf16 activations, row scales rounded to bf16.
 
     keep_weight: keep a reference to the float weight as `.weight` for code that reads it (the
-    drafter reads the target's LM head; a tied head shares the embedding, so it costs nothing)."""
+    drafter reads the target's LM head; a tied head shares the embedding, so it costs nothing).
+    kernel: "vnni" or "torch"; None reads `INT8_KERNEL` ("vnni" falls back as in Int4Linear)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False,
+                 kernel: str | None = None) -> None:
         super().__init__()
+        from eaglespec import kernels
+
         self.out_features, self.in_features = weight.shape
-        self.q, scales = quantize_rows_int8(weight)
-        self.scales = scales.to(weight.dtype)
+        q, scales = quantize_rows_int8(weight)
+        self._vnni = None
+        if ((kernel or INT8_KERNEL) == "vnni" and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and kernels.kernel_fits(self.out_features, self.in_features)):
+            self._vnni = kernels.int8_kernel()
+        self.kernel = "torch" if self._vnni is None else "vnni"
+        if self._vnni is not None:
+            self.codes, self.wscale = kernels.pack_int8(q, scales)
+        else:
+            self.q, self.scales = q, scales.to(weight.dtype)
         self.weight = weight if keep_weight else None
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        y = torch._weight_int8pack_mm(x.reshape(rows, self.in_features).contiguous(), self.q, self.scales)
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        if self._vnni is not None:
+            y = self._vnni.int8_gemm(x2, self.codes, self.wscale)
+        else:
+            y = torch._weight_int8pack_mm(x2, self.q, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -1,0 +1,58 @@
+// Shared by the package's row-invariant VNNI kernels (int4_gemm.cpp, int8_gemm.cpp): rounding bf16
+// activations to int8 per row per group of 32 (like llama.cpp's Q8_0) and fp32 -> bf16 output.
+// Both are per row, so nothing here depends on how many rows are computed together.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdint>
+
+namespace eaglespec {
+
+constexpr int kGroup = 32;
+constexpr int kTile = 16;
+
+// x: bf16 [M, K] -> a: int8 [M, K], d: f32 [M, G] (activation scale), c: f32 [M, G] (d * sum a),
+// sums: int32 [M, G] (sum a). Per row and group of 32: d = max|x| / 127, a = round(x * (1 / d)),
+// half to even like torch.round (d = 0: a = 0).
+inline void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* a, float* d, float* c, int32_t* sums) {
+  const int64_t G = K / kGroup;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* xs = x + m * K + g * kGroup;
+      // bf16 -> f32 is a 16-bit shift (exact)
+      __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)xs)), 16));
+      __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xs + 16))), 16));
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      float dg = amax / 127.0f;
+      float inv = dg != 0.0f ? 1.0f / dg : 0.0f;
+      const __m512 vinv = _mm512_set1_ps(inv);
+      // round half to even, as torch.round
+      __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, vinv),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, vinv),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      int8_t* as = a + m * K + g * kGroup;
+      _mm_storeu_si128((__m128i*)as, _mm512_cvtepi32_epi8(qlo));
+      _mm_storeu_si128((__m128i*)(as + 16), _mm512_cvtepi32_epi8(qhi));
+      int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      d[m * G + g] = dg;
+      c[m * G + g] = dg * (float)sum;
+      sums[m * G + g] = sum;
+    }
+  }
+}
+
+// f32 -> bf16, round to nearest even (torch's .to(bfloat16) for finite values; NaN kept NaN)
+inline __m256i to_bf16(__m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+}  // namespace eaglespec

@@ -1,0 +1,150 @@
+"""The package's own CPU kernels (csrc/), built on first use and cached per user.
+
+Owns: deciding whether a kernel can run here (CPU features, `EAGLESPEC_KERNELS=0`, a compiler),
+building it with torch's JIT extension builder into ~/.cache/eaglespec/kernels/<hash> (the hash
+covers the sources, torch, Python and the flags), loading a built one without the builder, and the
+weight layouts the kernels read (`pack_int4`, `pack_int8`). Anything that fails gives None:
+callers keep torch's kernels.
+
+Concurrent builds: each process builds in its own temporary directory and renames it into place;
+the rename is atomic, and a process that loses the race loads the winner's build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = {"int4": CSRC / "int4_gemm.cpp", "int8": CSRC / "int8_gemm.cpp"}  # each includes common.h
+# Only the ISA the kernels need: not -march=native, so one build serves any CPU that has these.
+# -ffp-contract=off: no fused multiply-adds, so the fp32 steps are the ones the tests reproduce.
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
+ISA = ("avx512_f", "avx512_bw", "avx512_vnni")
+
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def cpu_features() -> set[str]:
+    """The CPU's features under torch's names (avx512_f, avx512_vnni, ...)."""
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    if caps is not None:
+        return {k for k, v in caps().items() if v is True}
+    try:  # older torch: Linux's flag names, mapped to torch's
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    names = {"avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512_vnni": "avx512_vnni"}
+    return {names.get(f, f) for f in flags.split(":", 1)[1].split()}
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "eaglespec" / "kernels"
+
+
+def _build(name: str, source: Path, flags: list[str]) -> ModuleType:
+    """Build (or find built) `source` as extension module `name` in the cache; import it."""
+    from torch.utils import cpp_extension
+
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), (CSRC / "common.h").read_bytes(), torch.__version__.encode(),
+                                     sys.version.encode(), " ".join(flags).encode()])).hexdigest()[:16]
+    modname = f"{name}_{key}"
+    final = cache_root() / modname
+    so = final / f"{modname}{'.pyd' if sys.platform == 'win32' else '.so'}"  # the builder's name for it
+    if not so.exists():
+        try:  # the pip-installed ninja may not be on PATH when the venv is not activated
+            import ninja
+            if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+        print(f"eaglespec: building {name} (once per machine, about a minute)", file=sys.stderr, flush=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{modname}.", dir=final.parent))
+        try:
+            module = cpp_extension.load(modname, [str(source)], extra_cflags=flags, build_directory=str(tmp),
+                                        verbose=False)
+            try:
+                os.rename(tmp, final)  # atomic; fails if another process got there first
+            except OSError:
+                if not so.exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return module  # the builder imported it (its file now lives in `final`; mapped files survive a rename)
+    spec = importlib.util.spec_from_file_location(modname, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[modname] = module
+    return module
+
+
+def _kernel(kind: str) -> ModuleType | None:
+    if os.environ.get("EAGLESPEC_KERNELS", "1") == "0":
+        return None
+    if kind not in _loaded:
+        module = None
+        if set(ISA) <= cpu_features():
+            try:
+                module = _build(f"eaglespec_{kind}", SOURCES[kind], FLAGS)
+            except Exception as e:  # no compiler, no headers, ...: torch's kernel it is
+                lines = str(e).strip().splitlines()
+                why = next((s for s in lines if "error" in s), lines[-1] if lines else type(e).__name__)
+                log.warning("eaglespec: could not build the %s VNNI kernel (%s); using torch's %s kernel",
+                            kind, why.strip(), kind)
+        _loaded[kind] = module
+    return _loaded[kind]
+
+
+def int4_kernel() -> ModuleType | None:
+    """The W4A8 VNNI kernel module (`int4_gemm(x, codes, params)`), or None where it cannot run:
+    `EAGLESPEC_KERNELS=0`, a CPU without AVX512-VNNI (silently) or a failed build (one warning)."""
+    return _kernel("int4")
+
+
+def int8_kernel() -> ModuleType | None:
+    """The W8A8 VNNI kernel module (`int8_gemm(x, codes, wscale)`), or None, as `int4_kernel`."""
+    return _kernel("int8")
+
+
+GROUP, TILE = 32, 16  # inputs per scale; outputs per kernel tile
+
+
+def kernel_fits(out_features: int, in_features: int) -> bool:
+    """Shapes both VNNI kernels take: whole tiles of 16 outputs, whole groups of 32 inputs."""
+    return out_features % TILE == 0 and in_features % GROUP == 0
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4Weights' (q int32 [N, K] in 0..15, scale and zero fp32 [N, K/32]) -> the kernel's
+    (codes u8 [N/16, K/32, 256], params f32 [N/16, K/32, 2, 16]); layout in csrc/int4_gemm.cpp.
+    w = (q - 8) * scale + zero = q * scale + zero8 with zero8 = zero - 8 * scale."""
+    n, k = q.shape
+    t, g = n // TILE, k // GROUP
+    steps = q.to(torch.uint8).view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, step, 16 outputs, 4 inputs]
+    codes = (steps[:, :, :4] | (steps[:, :, 4:] << 4)).reshape(t, g, 256).contiguous()
+    zero8 = zero.float() - 8 * scale.float()
+    params = torch.stack([scale.float(), zero8], 0).view(2, t, TILE, g).permute(1, 3, 0, 2).contiguous()
+    return codes, params
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 (q int8 [N, K] in -127..127, scales [N]) -> the W8A8 kernel's (codes u8
+    [N/16, K/32, 512] holding q + 128, wscale f32 [N]); layout in csrc/int8_gemm.cpp."""
+    n, k = q.shape
+    steps = q.view(torch.uint8).view(n // TILE, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, step, 16, 4]
+    codes = steps.contiguous().view(n // TILE, k // GROUP, 512)
+    codes.bitwise_xor_(0x80)  # two's complement q, xor the sign bit: q + 128 (one copy of the 28 MB head)
+    return codes, scales.float().contiguous()
