@@ -1,6 +1,7 @@
 """Forward cost of the default model by quant mode: k new tokens (a binary tree: node i's parent is
 (i - 1) // 2, so most nodes' ancestors are not contiguous) after a 512-token context, k = 1..64; modes interleaved round by round in one process,
-medians. Also prices the row-invariant (exact) attention against the plain and flash kernels.
+medians. Also prices the row-invariant (exact) attention, ours (csrc/attention.cpp) and the torch
+ops version, against the plain and flash kernels.
 Prints a markdown table; asserts nothing.
 
   python scripts/forward_cost.py --rounds 7
@@ -48,13 +49,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ks", default="0,1,2,4,8,16,32,64", help="0: one token without a mask (plain decoding)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--modes", default="none,int8,int4", help="quant modes (int4 is needed for the attention rows)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ks = [int(x) for x in args.ks.split(",")]
     arms = {}
-    for quant in ("none", "int8", "int4"):
+    for quant in args.modes.split(","):
         model, _ = load_model(args.model, torch.bfloat16, quant=quant)
         arms[f"bf16 {quant}"] = (model, "exact")
+    if "bf16 int4" not in arms:
+        raise SystemExit("--modes must include int4")
+    arms["bf16 int4, torch ops exact attention"] = (arms["bf16 int4"][0], "torch-exact")
     arms["bf16 int4, plain attention"] = (arms["bf16 int4"][0], "plain")
     arms["bf16 int4, flash attention"] = (arms["bf16 int4"][0], "sdpa")
     ctx = torch.randint(0, 1000, (1, args.context))

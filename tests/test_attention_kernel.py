@@ -1,0 +1,76 @@
+"""csrc/attention.cpp (eaglespec.attention.kernel_attention): the decode attention the target runs
+in bf16 on a CPU. Accurate against an fp32 reference, row-invariant over batch rows, heads, masks
+and cache views (test_row_invariance.py checks trees and the whole model), and optional: with
+EAGLESPEC_KERNELS=0 the torch ops take its place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglespec.attention import attend, grouped_attention, kernel_attention
+from eaglespec.kernels import attention_kernel
+
+pytestmark = pytest.mark.skipif(attention_kernel() is None, reason="the attention kernel could not be built here")
+
+
+def reference(q, k, v, mask):
+    """fp32 softmax attention of the bf16 inputs (mask [B, T, S] or None)."""
+    g = q.shape[1] // k.shape[1]
+    m = None if mask is None else mask[:, None]
+    return F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
+                                          v.float().repeat_interleave(g, 1), attn_mask=m)
+
+
+@pytest.mark.parametrize("b,nh,nkv,t,s,hd", [(1, 9, 3, 1, 1, 64), (1, 9, 3, 1, 513, 64), (2, 4, 4, 7, 100, 128),
+                                             (3, 8, 2, 16, 40, 256), (1, 4, 1, 64, 300, 16)])
+def test_matches_fp32_reference(b, nh, nkv, t, s, hd):
+    g = torch.Generator().manual_seed(s + hd)
+    q = torch.randn(b, nh, t, hd, generator=g).bfloat16()
+    # keys and values as the cache holds them: views into a longer buffer
+    k, v = (torch.randn(b, nkv, s + 9, hd, generator=g).bfloat16()[:, :, :s] for _ in range(2))
+    mask = torch.rand(b, t, s, generator=g) < 0.6
+    mask[..., 0] = True  # every query sees at least one key
+    for m in (None, mask):
+        got = kernel_attention(q, k, v, None if m is None else m[:, None])
+        # bf16 output: half an ulp (2^-9 relative) of rounding, plus fp32 sums
+        torch.testing.assert_close(got.float(), reference(q, k, v, m), atol=1e-2, rtol=8e-3)
+
+
+def test_rows_heads_and_batch_rows_are_independent():
+    """Each (row, head, token) alone over its visible keys compacted gives the same bits."""
+    g = torch.Generator().manual_seed(0)
+    b, nh, nkv, t, s, hd = 2, 6, 2, 5, 70, 64
+    q = torch.randn(b, nh, t, hd, generator=g).bfloat16()
+    k, v = (torch.randn(b, nkv, s, hd, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(b, t, s, generator=g) < 0.5
+    mask[..., 3] = True
+    full = kernel_attention(q, k, v, mask[:, None])
+    for i in range(b):
+        for j in range(t):
+            vis = mask[i, j].nonzero().flatten()
+            alone = kernel_attention(q[i:i + 1, :, j:j + 1], k[i:i + 1, :, vis], v[i:i + 1, :, vis], None)
+            assert torch.equal(alone, full[i:i + 1, :, j:j + 1]), (i, j)
+
+
+def test_a_two_dimensional_mask_is_shared_by_the_batch():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 6, 32, generator=g).bfloat16()
+    k, v = (torch.randn(3, 2, 20, 32, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(6, 20, generator=g) < 0.5
+    mask[:, 0] = True
+    assert torch.equal(kernel_attention(q, k, v, mask), kernel_attention(q, k, v, mask.expand(3, 1, 6, 20)))
+
+
+def test_calls_it_cannot_take_go_elsewhere(monkeypatch):
+    q = torch.randn(1, 2, 1, 24).bfloat16()  # head_dim not a multiple of 16
+    k = v = torch.randn(1, 2, 5, 24).bfloat16()
+    assert kernel_attention(q, k, v, None) is None
+    assert kernel_attention(q.float(), k.float(), v.float(), None) is None
+    torch.testing.assert_close(attend(q, k, v, None).float(), reference(q, k, v, None), atol=1e-2, rtol=1e-2)
+    # EAGLESPEC_KERNELS=0: the torch ops, the same answer to bf16 rounding
+    monkeypatch.setenv("EAGLESPEC_KERNELS", "0")
+    assert attention_kernel() is None
+    q, k, v = torch.randn(1, 4, 1, 64).bfloat16(), torch.randn(1, 2, 9, 64).bfloat16(), torch.randn(1, 2, 9, 64).bfloat16()
+    assert torch.equal(attend(q, k, v, None), grouped_attention(q, k, v, None))
