@@ -8,8 +8,8 @@ import torch
 
 from eaglespec import attention
 from eaglespec.attention import DECODE_ROWS, grouped_attention, kernel_attention
-from eaglespec.kernels import attention_kernel
-from eaglespec.model import RMSNorm
+from eaglespec.kernels import ops_kernel
+from eaglespec.model import RMSNorm, apply_rotary
 from eaglespec.quant import Int4Linear, Int8Linear, int4_from_float, quantize_model
 from tiny import tiny_config, tiny_model
 
@@ -51,7 +51,7 @@ def random_tree(n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def needs_kernel(which: str) -> None:
-    if which == "ours" and attention_kernel() is None:
+    if which == "ours" and ops_kernel() is None:
         pytest.skip("the attention kernel could not be built here (no compiler, or EAGLESPEC_KERNELS=0)")
 
 
@@ -87,10 +87,19 @@ def test_tree_attention_equals_each_node_alone(context, which):
         assert torch.equal(alone, full[:, :, i:i + 1]), f"node {i}"
 
 
-def test_rmsnorm_rows_are_invariant():
-    norm = RMSNorm(576, 1e-5)
+@pytest.mark.parametrize("which", ["ours", "torch"])
+def test_rmsnorm_and_rope_rows_are_invariant(which):
+    """Inference takes csrc's ops (no autograd), training torch's; both per row."""
+    needs_kernel(which)
+    norm = RMSNorm(576, 1e-5).bfloat16()
     x = torch.randn(64, 576).bfloat16()
-    assert torch.equal(norm(x), torch.cat([norm(x[i:i + 1]) for i in range(64)]))
+    q = torch.randn(1, 9, 64, 64).bfloat16()
+    cos, sin = torch.randn(2, 1, 1, 64, 64).bfloat16()
+    with torch.set_grad_enabled(which == "torch"):
+        assert torch.equal(norm(x), torch.cat([norm(x[i:i + 1]) for i in range(64)]))
+        rope = apply_rotary(q, cos, sin)
+        for i in (0, 5, 63):
+            assert torch.equal(apply_rotary(q[:, :, i:i + 1], cos[:, :, i:i + 1], sin[:, :, i:i + 1]), rope[:, :, i:i + 1])
 
 
 @pytest.mark.parametrize("which", ["ours", "torch"])

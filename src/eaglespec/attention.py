@@ -186,9 +186,9 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     cannot take the call (not bf16, head_dim not a multiple of 16, kernel not built)."""
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.shape[-1] % 16 or k.stride(-1) != 1:
         return None
-    from .kernels import attention_kernel
+    from .kernels import ops_kernel
 
-    mod = attention_kernel()
+    mod = ops_kernel()
     if mod is None:
         return None
     b, _, t, _ = q.shape

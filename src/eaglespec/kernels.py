@@ -53,11 +53,13 @@ def cache_root() -> Path:
     return Path(base) / "eaglespec" / "kernels"
 
 
-def _build(name: str, source: Path, flags: list[str]) -> ModuleType:
-    """Build (or find built) `source` as extension module `name` in the cache; import it."""
+def _build(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
+    """Build (or find built) `sources` (and the headers beside them) as extension module `name` in
+    the cache; import it."""
     from torch.utils import cpp_extension
 
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), torch.__version__.encode(), sys.version.encode(),
+    texts = [p.read_bytes() for p in sorted({*sources, *sources[0].parent.glob("*.h")})]
+    key = hashlib.sha256(b"\0".join([*texts, torch.__version__.encode(), sys.version.encode(),
                                      " ".join(flags).encode()])).hexdigest()[:16]
     modname = f"{name}_{key}"
     final = cache_root() / modname
@@ -71,7 +73,7 @@ def _build(name: str, source: Path, flags: list[str]) -> ModuleType:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{modname}.", dir=final.parent))
         try:
-            module = cpp_extension.load(modname, [str(source)], extra_cflags=flags, build_directory=str(tmp),
+            module = cpp_extension.load(modname, [str(p) for p in sources], extra_cflags=flags, build_directory=str(tmp),
                                         verbose=False)
             try:
                 os.rename(tmp, final)  # atomic; fails if another process got there first
@@ -103,7 +105,7 @@ def int4_kernel() -> ModuleType | None:
         module = None
         if set(INT4_ISA) <= cpu_features():
             try:
-                module = _build("eaglespec_int4", INT4_SOURCE, INT4_FLAGS)
+                module = _build("eaglespec_int4", [INT4_SOURCE], INT4_FLAGS)
             except Exception as e:  # no compiler, no headers, ...: torch's kernel it is
                 log.warning("eaglespec: could not build the int4 VNNI kernel (%s); using torch's int4 kernel",
                             _why(e))
@@ -111,30 +113,29 @@ def int4_kernel() -> ModuleType | None:
     return _loaded["int4"]
 
 
-ATTENTION_SOURCE = CSRC / "attention.cpp"
+OPS_SOURCES = [CSRC / "ops.cpp", CSRC / "attention.cpp", CSRC / "norm_rope.cpp"]
 
 
-def attention_flags(features: set[str]) -> list[str]:
-    """The attention kernel is portable C++ vector code: the ISA flags only widen its vectors (the
-    numerics are the same IEEE operations lane by lane, never contracted into FMAs)."""
+def ops_flags(features: set[str]) -> list[str]:
+    """The ops are portable C++ vector code: the ISA flags only widen its vectors (the numerics are
+    the same IEEE operations lane by lane, never contracted into FMAs)."""
     isa = ["-mavx512f"] if "avx512_f" in features else ["-mavx2"] if "avx2" in features else []
     return ["-O3", "-ffp-contract=off", *isa]
 
 
-def attention_kernel() -> ModuleType | None:
-    """The row-invariant decode attention module (`decode_attention(q, k, v, mask, scale)`), or
-    None: `EAGLESPEC_KERNELS=0` or a failed build (one warning); callers keep
-    attention.grouped_attention."""
+def ops_kernel() -> ModuleType | None:
+    """The per-token bf16 CPU ops (`decode_attention`, `rms_norm`, `rope`; csrc/ops.h), or None:
+    `EAGLESPEC_KERNELS=0` or a failed build (one warning); callers keep their torch ops."""
     if os.environ.get("EAGLESPEC_KERNELS", "1") == "0":
         return None
-    if "attention" not in _loaded:
+    if "ops" not in _loaded:
         module = None
         try:
-            module = _build("eaglespec_attention", ATTENTION_SOURCE, attention_flags(cpu_features()))
+            module = _build("eaglespec_ops", OPS_SOURCES, ops_flags(cpu_features()))
         except Exception as e:  # no compiler, no headers, ...: the torch ops it is
-            log.warning("eaglespec: could not build the attention kernel (%s); using torch ops", _why(e))
-        _loaded["attention"] = module
-    return _loaded["attention"]
+            log.warning("eaglespec: could not build the CPU kernels (%s); using torch ops", _why(e))
+        _loaded["ops"] = module
+    return _loaded["ops"]
 
 
 GROUP, TILE = 32, 16  # inputs per scale; outputs per kernel tile

@@ -21,7 +21,9 @@
 // accumulates in fp32 along the keys, and the output is rounded to bf16 once. -ffp-contract=off
 // keeps the compiler from fusing multiply-adds differently in different places.
 
-#include <torch/extension.h>
+#include "ops.h"
+#include "vec.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -30,34 +32,9 @@
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef float f32x2 __attribute__((vector_size(8)));
+using namespace eaglespec;
 
-constexpr int LANES = 16;
 constexpr int MAX_CHUNKS = 32;  // head_dim up to 512
-
-inline f32x16 load_bf16(const c10::BFloat16* p) {
-  // bf16 is the top half of an fp32: widen and shift.
-  u16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 f;
-  std::memcpy(&f, &w, sizeof(f));
-  return f;
-}
-
-inline float lane_sum(f32x16 v) {
-  // A fixed pairwise tree over the 16 lanes: lane i + lane i + 8, then + 4, + 2, + 1.
-  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  f32x2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
-  return c[0] + c[1];
-}
 
 inline float lane_max(f32x16 v) {
   float m = v[0];
@@ -172,8 +149,7 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
     const float total = w.totals[j];
     c10::BFloat16* o = c.out + ((b * c.nh + h * g + j) * c.T + t) * hd;
     for (int64_t ch = 0; ch < chunks; ++ch) {
-      const f32x16 a = w.acc[j * chunks + ch];
-      for (int l = 0; l < LANES; ++l) o[ch * LANES + l] = c10::BFloat16(total > 0.f ? a[l] / total : 0.f);
+      store_bf16(o + ch * LANES, total > 0.f ? w.acc[j * chunks + ch] / total : f32x16{});
     }
   }
 }
@@ -224,8 +200,4 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     default: attend_all<0>(c, items);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "row-invariant decode attention over a bf16 KV cache");
 }

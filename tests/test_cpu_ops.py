@@ -1,7 +1,8 @@
-"""csrc/attention.cpp (eaglespec.attention.kernel_attention): the decode attention the target runs
-in bf16 on a CPU. Accurate against an fp32 reference, row-invariant over batch rows, heads, masks
-and cache views (test_row_invariance.py checks trees and the whole model), and optional: with
-EAGLESPEC_KERNELS=0 the torch ops take its place."""
+"""csrc's bf16 CPU ops (eaglespec.kernels.ops_kernel): the decode attention
+(attention.kernel_attention), RMSNorm and RoPE the target runs at inference. Accurate against
+fp32 / torch references, row-invariant over batch rows, heads, masks and cache views
+(test_row_invariance.py checks trees and the whole model), and optional: with EAGLESPEC_KERNELS=0
+the torch ops take their place."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from eaglespec.attention import attend, grouped_attention, kernel_attention
-from eaglespec.kernels import attention_kernel
+from eaglespec.kernels import ops_kernel
+from eaglespec.model import RMSNorm, apply_rotary
 
-pytestmark = pytest.mark.skipif(attention_kernel() is None, reason="the attention kernel could not be built here")
+pytestmark = pytest.mark.skipif(ops_kernel() is None, reason="the attention kernel could not be built here")
 
 
 def reference(q, k, v, mask):
@@ -71,6 +73,33 @@ def test_calls_it_cannot_take_go_elsewhere(monkeypatch):
     torch.testing.assert_close(attend(q, k, v, None).float(), reference(q, k, v, None), atol=1e-2, rtol=1e-2)
     # EAGLESPEC_KERNELS=0: the torch ops, the same answer to bf16 rounding
     monkeypatch.setenv("EAGLESPEC_KERNELS", "0")
-    assert attention_kernel() is None
+    assert ops_kernel() is None
     q, k, v = torch.randn(1, 4, 1, 64).bfloat16(), torch.randn(1, 2, 9, 64).bfloat16(), torch.randn(1, 2, 9, 64).bfloat16()
     assert torch.equal(attend(q, k, v, None), grouped_attention(q, k, v, None))
+
+
+def test_rms_norm_and_rope_match_torch():
+    """Within a bf16 rounding of the torch ops (their sums run in another order; rope is computed
+    in fp32 and rounded once instead of three times)."""
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    norm.weight.data = (1 + torch.randn(576, generator=g) * 0.2).bfloat16()
+    x = (torch.randn(3, 5, 576, generator=g) * 3).bfloat16()
+    qkv = torch.randn(2, 7, 16 * 64, generator=g).bfloat16()
+    q = qkv.view(2, 7, 16, 64).transpose(1, 2)  # a strided view, as the attention passes it
+    pos = torch.arange(7)[None].expand(2, 7) + 40
+    freqs = pos.float()[..., None] / 10000 ** (torch.arange(0, 64, 2) / 64)
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().bfloat16()[:, None], emb.sin().bfloat16()[:, None]
+    want_norm, want_rope = norm(x), apply_rotary(q, cos, sin)  # grad enabled: torch's ops
+    with torch.no_grad():
+        got_norm, got_rope = norm(x), apply_rotary(q, cos, sin)
+    assert got_norm.shape == want_norm.shape and got_rope.shape == want_rope.shape
+    torch.testing.assert_close(got_norm.float(), want_norm.float(), rtol=8e-3, atol=1e-3)
+    # rope rounds once: within half a bf16 ulp of the fp32 result (torch's three roundings can
+    # land a few ulps away where the two products nearly cancel)
+    qf, half = q.float(), 32
+    exact = qf * cos.float() + torch.cat([-qf[..., half:], qf[..., :half]], -1) * sin.float()
+    torch.testing.assert_close(got_rope.float(), exact, rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(want_rope.float(), exact, rtol=0.1, atol=0.02)
+    assert not torch.equal(got_norm, want_norm) or not torch.equal(got_rope, want_rope), "the kernels did not run"
