@@ -1,7 +1,7 @@
 """Forward cost of the default model by quant mode: k new tokens (a binary tree: node i's parent is
 (i - 1) // 2, so most nodes' ancestors are not contiguous) after a 512-token context, k = 1..64; modes interleaved round by round in one process,
-medians. Also prices the row-invariant (exact) attention against the plain and flash kernels,
-and the package's VNNI kernels (int4 linears, int8 LM head and int8 linears) against torch's.
+medians. Also prices the row-invariant (exact) attention, ours (csrc/attention.cpp) and the torch
+ops version, against the plain and flash kernels, and the package's VNNI kernels (int4 linears, int8 LM head and int8 linears) against torch's.
 Prints a markdown table; asserts nothing.
 
   python scripts/forward_cost.py --rounds 7
@@ -57,7 +57,9 @@ def main() -> None:
     rows = {  # row -> (mode, int4 / int8 kernels, attention kernel)
         "bf16 none": ("none", "vnni", "exact"), "bf16 int8": ("int8", "vnni", "exact"),
         "bf16 int4": ("int4", "vnni", "exact"), "bf16 int4, plain attention": ("int4", "vnni", "plain"),
-        "bf16 int4, flash attention": ("int4", "vnni", "sdpa"), "bf16 int4, torch kernels": ("int4", "torch", "exact"),
+        "bf16 int4, flash attention": ("int4", "vnni", "sdpa"),
+        "bf16 int4, torch ops exact attention": ("int4", "vnni", "torch-exact"),
+        "bf16 int4, torch kernels": ("int4", "torch", "exact"),
         "bf16 int8, torch kernels": ("int8", "torch", "exact"),
     }
     if args.arms:

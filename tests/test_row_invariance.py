@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglespec.attention import DECODE_ROWS, grouped_attention
-from eaglespec.model import RMSNorm
+from eaglespec import attention
+from eaglespec.attention import DECODE_ROWS, grouped_attention, kernel_attention
+from eaglespec.kernels import ops_kernel
+from eaglespec.model import RMSNorm, apply_rotary
 from eaglespec.quant import Int4Linear, Int8Linear, int4_from_float, quantize_model
 from tiny import tiny_config, tiny_model
 
@@ -48,8 +50,14 @@ def random_tree(n: int, g: torch.Generator) -> torch.Tensor:
     return anc
 
 
+def needs_kernel(which: str) -> None:
+    if which == "ours" and ops_kernel() is None:
+        pytest.skip("the attention kernel could not be built here (no compiler, or EAGLESPEC_KERNELS=0)")
+
+
+@pytest.mark.parametrize("which", ["ours", "torch"])
 @pytest.mark.parametrize("context", [5, 130, 700])
-def test_tree_attention_equals_each_node_alone(context):
+def test_tree_attention_equals_each_node_alone(context, which):
     """A tree node attends over the committed context plus its ancestors, with other nodes masked
     between them and unused view slots after: its output equals the one-token call over its own
     path laid out contiguously (how plain decoding sees it). In bf16, the default dtype; fp32's
@@ -57,6 +65,8 @@ def test_tree_attention_equals_each_node_alone(context):
     end to end)."""
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(context)
+    needs_kernel(which)
+    attend = kernel_attention if which == "ours" else grouped_attention
     nh, nkv, hd, n, pad = 9, 3, 64, DECODE_ROWS, 11
     k_ctx, v_ctx = (torch.randn(1, nkv, context, hd, generator=g).to(dtype) for _ in range(2))
     k_tree, v_tree = (torch.randn(1, nkv, n, hd, generator=g).to(dtype) for _ in range(2))
@@ -66,27 +76,39 @@ def test_tree_attention_equals_each_node_alone(context):
     k = torch.cat([k_ctx, k_tree, junk], 2)
     v = torch.cat([v_ctx, v_tree, junk], 2)
     mask = torch.cat([torch.ones(n, context, dtype=torch.bool), anc, torch.zeros(n, pad, dtype=torch.bool)], 1)
-    full = grouped_attention(q, k, v, mask[None, None])
+    full = attend(q, k, v, mask[None, None])
     for size in (1, 2, 17, n):  # the tree's first `size` nodes scored together
-        part = grouped_attention(q[:, :, :size], k, v, mask[None, None, :size])
+        part = attend(q[:, :, :size], k, v, mask[None, None, :size])
         assert torch.equal(part, full[:, :, :size])
     for i in range(n):
         path = torch.nonzero(anc[i]).flatten()  # ancestors in depth order, then the node
-        alone = grouped_attention(q[:, :, i:i + 1], torch.cat([k_ctx, k_tree[:, :, path]], 2),
-                                  torch.cat([v_ctx, v_tree[:, :, path]], 2), None)
+        alone = attend(q[:, :, i:i + 1], torch.cat([k_ctx, k_tree[:, :, path]], 2),
+                       torch.cat([v_ctx, v_tree[:, :, path]], 2), None)
         assert torch.equal(alone, full[:, :, i:i + 1]), f"node {i}"
 
 
-def test_rmsnorm_rows_are_invariant():
-    norm = RMSNorm(576, 1e-5)
+@pytest.mark.parametrize("which", ["ours", "torch"])
+def test_rmsnorm_and_rope_rows_are_invariant(which):
+    """Inference takes csrc's ops (no autograd), training torch's; both per row."""
+    needs_kernel(which)
+    norm = RMSNorm(576, 1e-5).bfloat16()
     x = torch.randn(64, 576).bfloat16()
-    assert torch.equal(norm(x), torch.cat([norm(x[i:i + 1]) for i in range(64)]))
+    q = torch.randn(1, 9, 64, 64).bfloat16()
+    cos, sin = torch.randn(2, 1, 1, 64, 64).bfloat16()
+    with torch.set_grad_enabled(which == "torch"):
+        assert torch.equal(norm(x), torch.cat([norm(x[i:i + 1]) for i in range(64)]))
+        rope = apply_rotary(q, cos, sin)
+        for i in (0, 5, 63):
+            assert torch.equal(apply_rotary(q[:, :, i:i + 1], cos[:, :, i:i + 1], sin[:, :, i:i + 1]), rope[:, :, i:i + 1])
 
 
+@pytest.mark.parametrize("which", ["ours", "torch"])
 @pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_tree_forward_equals_decoding_each_path(mode):
+def test_tree_forward_equals_decoding_each_path(mode, which, monkeypatch):
     """The whole target in bf16: logits of a random 20-node tree scored in one forward equal,
     bit for bit, each node's logits when its path is decoded one token at a time."""
+    needs_kernel(which)
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "exact" if which == "ours" else "torch-exact")
     cfg = tiny_config(hidden=64, inter=128, heads=4, kv_heads=2, vocab=96)
     model = quantize_model(tiny_model(cfg, dtype=torch.bfloat16), mode)
     g = torch.Generator().manual_seed(3)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from eaglespec.draft import DraftHead, init_head_
 from eaglespec.train import loop
 from eaglespec.train.data import TokenizedSample
-from eaglespec.train.features import dump_features, shard_path
+from eaglespec.train.features import dump_features, shard_path, write_manifest
 from eaglespec.train.loop import SampleStore, TrainConfig, collate, make_batches, train
 from eaglespec.train.loss import eagle_loss
 
@@ -145,6 +145,31 @@ def test_feature_dump_resumes_after_sigkill(tmp_path, reference_dump, kill):
     # a second rerun does nothing at all
     rep2 = dump_features(target_model(), samples, out, SHARD, progress=False)
     assert (rep2.shards_skipped, rep2.shards_written, rep2.tokens_written) == (5, 0, 0)
+
+
+def test_feature_dump_grows_with_the_dataset(tmp_path, reference_dump):
+    """A larger dataset reuses the shards it shares with a smaller dump, redoes the partial last
+    one, and ends equal to a fresh dump; a shard holding other samples is redone."""
+    out = tmp_path / "features"
+    write_manifest(out, {"model": "tiny", "max_length": 20, "samples": 10})
+    first = dump_features(target_model(), make_samples()[:10], out, SHARD, progress=False)
+    assert (first.shards_total, first.shards_written) == (3, 3)  # 4 + 4 + 2 samples
+    before = {i: shard_path(out, i).stat().st_ino for i in (0, 1)}
+
+    write_manifest(out, {"model": "tiny", "max_length": 20, "samples": 20})  # counts may grow
+    assert json.loads((out / "manifest.json").read_text())["samples"] == 20
+    with pytest.raises(ValueError, match="max_length"):
+        write_manifest(out, {"model": "tiny", "max_length": 64, "samples": 20})
+    rep = dump_features(target_model(), make_samples(), out, SHARD, progress=False)
+
+    assert (rep.shards_skipped, rep.shards_replaced, rep.shards_written) == (2, 1, 3)
+    assert "1 redone for changed samples" in rep.summary()
+    assert {i: shard_path(out, i).stat().st_ino for i in (0, 1)} == before, "shared shards must be kept"
+    for i in range(5):
+        got, want = shard_tensors(out, i), shard_tensors(reference_dump, i)
+        assert all(torch.equal(got[k], want[k]) for k in want), i
+    other = dump_features(target_model(), make_samples(seed=5), out, SHARD, progress=False)
+    assert (other.shards_skipped, other.shards_replaced) == (0, 5)
 
 
 # --- 2./3. the loop on a tiny target ----------------------------------------------------------

@@ -1,12 +1,18 @@
 """Attention over the KV cache: which kernel scores which calls, and why.
 
-Two kernels:
+Three kernels:
 - `F.scaled_dot_product_attention` for long blocks of new tokens (prefill chunks, training),
   where its blocked flash kernel is fastest.
-- `grouped_attention` for decode-shaped calls (one token, a draft tree, a few rows): two plain
-  matrix products per key/value head. On a CPU torch's flash kernel costs ~0.5 ms per call for a
-  single query over 512 keys (its tiles are sized for long query blocks), 5x the two products:
-  about 12 ms of a 30-layer decode step on the default model (measured, `scripts/forward_cost.py`).
+- for decode-shaped calls (one token, a draft tree, a few rows) in bf16 on a CPU, our C++ kernel
+  (csrc/attention.cpp, built on first use by eaglespec.kernels): each (row, head, token) over its
+  visible keys in slot order, one fixed sequence of float operations, so row-invariant by
+  construction. A dozen torch ops cost ~10 us of dispatch each where the arithmetic of one query
+  is about a microsecond; the kernel is 4-6x faster than `grouped_attention` at 128-1000 keys.
+- `grouped_attention` for decode-shaped calls where the kernel cannot run (fp32, no compiler,
+  `EAGLESPEC_KERNELS=0`): two plain matrix products per key/value head. On a CPU torch's flash
+  kernel costs ~0.5 ms per call for a single query over 512 keys (its tiles are sized for long
+  query blocks), 5x the two products: about 12 ms of a 30-layer decode step on the default model
+  (measured, `scripts/forward_cost.py`).
 
 `grouped_attention` is also what makes a tree node's output equal, bit for bit, to the same token
 decoded alone (tests/test_row_invariance.py): the query heads sharing a key/value head are rows of
@@ -175,8 +181,25 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return torch.matmul(probs, v.contiguous()).view(b, nh, t, hd)
 
 
-# Which kernel decode-shaped calls take: "exact" (grouped_attention), "plain" or "sdpa". Only the
-# benchmark scripts change it, to price exactness.
+def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """csrc/attention.cpp's decode attention (shapes as `grouped_attention`), or None where it
+    cannot take the call (not bf16, head_dim not a multiple of 16, kernel not built)."""
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.shape[-1] % 16 or k.stride(-1) != 1:
+        return None
+    from .kernels import ops_kernel
+
+    mod = ops_kernel()
+    if mod is None:
+        return None
+    b, _, t, _ = q.shape
+    s = k.shape[2]
+    if mask is not None:
+        mask = (mask if mask.dim() == 2 else mask[:, 0]).expand(b, t, s)  # [B, T, S], a view
+    return mod.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5)
+
+
+# Which kernel decode-shaped calls take: "exact" (ours, else grouped_attention), "torch-exact"
+# (grouped_attention), "plain" or "sdpa". Only tests and benchmark scripts change it.
 DECODE_KERNEL = "exact"
 
 
@@ -185,5 +208,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """Route one attention call (shapes as `grouped_attention`; mask [T, S] or [B, 1, T, S]).
     exact=False (draft heads): the flash kernel, as for long blocks."""
     if exact and q.shape[2] <= DECODE_ROWS and q.device.type == "cpu" and DECODE_KERNEL != "sdpa":
-        return (grouped_attention if DECODE_KERNEL == "exact" else plain_attention)(q, k, v, mask)
+        if DECODE_KERNEL == "exact":
+            out = kernel_attention(q, k, v, mask)
+            if out is not None:
+                return out
+        return (plain_attention if DECODE_KERNEL == "plain" else grouped_attention)(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])

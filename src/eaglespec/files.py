@@ -70,16 +70,18 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         Path(tmp).write_text(text)
 
 
-def pin_settings(path: Path, info: dict, refusal: str, error: type[ValueError] = ValueError) -> None:
+def pin_settings(path: Path, info: dict, refusal: str, error: type[ValueError] = ValueError,
+                 counts: tuple[str, ...] = ()) -> None:
     """Record `info` in `path` (JSON) on first use; afterwards refuse other settings with
     `refusal` followed by the keys that differ (an output made one way must not be extended
-    another way)."""
+    another way). Keys in `counts` may change (a dataset that grew): they are updated, not refused."""
     if path.is_file():
         old = json.loads(path.read_text())
-        if old != info:
-            diff = sorted(k for k in set(old) | set(info) if old.get(k) != info.get(k))
+        diff = sorted(k for k in set(old) | set(info) if old.get(k) != info.get(k) and k not in counts)
+        if diff:
             raise error(f"{refusal} ({', '.join(diff)})")
-        return
+        if old == info:
+            return
     atomic_write_text(path, json.dumps(info, indent=2))
 
 

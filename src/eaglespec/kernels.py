@@ -2,8 +2,10 @@
 
 Owns: deciding whether a kernel can run here (CPU features, `EAGLESPEC_KERNELS=0`, a compiler),
 building it with torch's JIT extension builder into ~/.cache/eaglespec/kernels/<hash> (the hash
-covers the sources, torch, Python and the flags), loading a built one without the builder, and the
-weight layouts the kernels read (`pack_int4`, `pack_int8`). Anything that fails gives None:
+covers the sources, the headers beside them, torch, Python and the flags), loading a built one
+without the builder, and the weight layouts the kernels read (`pack_int4`, `pack_int8`). Two
+families: the VNNI GEMMs (int4_gemm, int8_gemm; AVX512-VNNI only) and the portable per-token ops
+(ops: decode attention, RMSNorm, RoPE). Anything that fails gives None:
 callers keep torch's kernels.
 
 Concurrent builds: each process builds in its own temporary directory and renames it into place;
@@ -27,7 +29,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = {"int4": CSRC / "int4_gemm.cpp", "int8": CSRC / "int8_gemm.cpp"}  # each includes common.h
+SOURCES = {"int4": [CSRC / "int4_gemm.cpp"], "int8": [CSRC / "int8_gemm.cpp"]}  # each includes common.h
+OPS_SOURCES = [CSRC / "ops.cpp", CSRC / "attention.cpp", CSRC / "norm_rope.cpp"]
 # Only the ISA the kernels need: not -march=native, so one build serves any CPU that has these.
 # -ffp-contract=off: no fused multiply-adds, so the fp32 steps are the ones the tests reproduce.
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
@@ -54,12 +57,14 @@ def cache_root() -> Path:
     return Path(base) / "eaglespec" / "kernels"
 
 
-def _build(name: str, source: Path, flags: list[str]) -> ModuleType:
-    """Build (or find built) `source` as extension module `name` in the cache; import it."""
+def _build(name: str, sources: list[Path], flags: list[str]) -> ModuleType:
+    """Build (or find built) `sources` (with the headers beside them) as extension module `name`
+    in the cache; import it."""
     from torch.utils import cpp_extension
 
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), (CSRC / "common.h").read_bytes(), torch.__version__.encode(),
-                                     sys.version.encode(), " ".join(flags).encode()])).hexdigest()[:16]
+    texts = [p.read_bytes() for p in sorted({*sources, *CSRC.glob("*.h")})]
+    key = hashlib.sha256(b"\0".join([*texts, torch.__version__.encode(), sys.version.encode(),
+                                     " ".join(flags).encode()])).hexdigest()[:16]
     modname = f"{name}_{key}"
     final = cache_root() / modname
     so = final / f"{modname}{'.pyd' if sys.platform == 'win32' else '.so'}"  # the builder's name for it
@@ -74,7 +79,8 @@ def _build(name: str, source: Path, flags: list[str]) -> ModuleType:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{modname}.", dir=final.parent))
         try:
-            module = cpp_extension.load(modname, [str(source)], extra_cflags=flags, build_directory=str(tmp),
+            module = cpp_extension.load(modname, [str(p) for p in sources], extra_cflags=flags,
+                                        build_directory=str(tmp),
                                         verbose=False)
             try:
                 os.rename(tmp, final)  # atomic; fails if another process got there first
@@ -91,6 +97,12 @@ def _build(name: str, source: Path, flags: list[str]) -> ModuleType:
     return module
 
 
+def _why(e: Exception) -> str:
+    """The line of a build failure worth showing."""
+    lines = str(e).strip().splitlines()
+    return next((s for s in lines if "error" in s), lines[-1] if lines else type(e).__name__).strip()
+
+
 def _kernel(kind: str) -> ModuleType | None:
     if os.environ.get("EAGLESPEC_KERNELS", "1") == "0":
         return None
@@ -100,10 +112,8 @@ def _kernel(kind: str) -> ModuleType | None:
             try:
                 module = _build(f"eaglespec_{kind}", SOURCES[kind], FLAGS)
             except Exception as e:  # no compiler, no headers, ...: torch's kernel it is
-                lines = str(e).strip().splitlines()
-                why = next((s for s in lines if "error" in s), lines[-1] if lines else type(e).__name__)
                 log.warning("eaglespec: could not build the %s VNNI kernel (%s); using torch's %s kernel",
-                            kind, why.strip(), kind)
+                            kind, _why(e), kind)
         _loaded[kind] = module
     return _loaded[kind]
 
@@ -117,6 +127,28 @@ def int4_kernel() -> ModuleType | None:
 def int8_kernel() -> ModuleType | None:
     """The W8A8 VNNI kernel module (`int8_gemm(x, codes, wscale)`), or None, as `int4_kernel`."""
     return _kernel("int8")
+
+
+def ops_flags(features: set[str]) -> list[str]:
+    """The ops are portable C++ vector code: the ISA flags only widen their vectors (the numerics
+    are the same IEEE operations lane by lane, never contracted into FMAs)."""
+    isa = ["-mavx512f"] if "avx512_f" in features else ["-mavx2"] if "avx2" in features else []
+    return ["-O3", "-ffp-contract=off", *isa]
+
+
+def ops_kernel() -> ModuleType | None:
+    """The per-token bf16 CPU ops (`decode_attention`, `rms_norm`, `rope`; csrc/ops.h), or None:
+    `EAGLESPEC_KERNELS=0` or a failed build (one warning); callers keep their torch ops."""
+    if os.environ.get("EAGLESPEC_KERNELS", "1") == "0":
+        return None
+    if "ops" not in _loaded:
+        module = None
+        try:
+            module = _build("eaglespec_ops", OPS_SOURCES, ops_flags(cpu_features()))
+        except Exception as e:  # no compiler, no headers, ...: the torch ops it is
+            log.warning("eaglespec: could not build the CPU ops (%s); using torch ops", _why(e))
+        _loaded["ops"] = module
+    return _loaded["ops"]
 
 
 GROUP, TILE = 32, 16  # inputs per scale; outputs per kernel tile

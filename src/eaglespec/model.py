@@ -25,6 +25,7 @@ from torch import nn
 
 from .attention import attend
 from .config import ModelConfig
+from .kernels import ops_kernel
 from .kv_cache import KVCache
 
 
@@ -35,6 +36,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels_apply(x) and self.weight.dtype == x.dtype and x.shape[-1] % 16 == 0:
+            ops = ops_kernel()
+            if ops is not None:  # one call for the 8 ops below (the same two roundings)
+                return ops.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 like the reference implementation; bf16 variance loses digits.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -79,8 +84,17 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
+def cpu_kernels_apply(x: torch.Tensor) -> bool:
+    """Whether csrc's bf16 CPU ops may take this call: inference only (they have no backward)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [B, nh, T, hd]; rotate-half layout (Hugging Face's, not llama.cpp's interleaved one)
+    if cpu_kernels_apply(x) and x.shape[-1] % 32 == 0 and x.stride(-1) == 1 and cos.dtype == x.dtype:
+        ops = ops_kernel()
+        if ops is not None:  # one call for seven ops, computed in fp32 and rounded once
+            return ops.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

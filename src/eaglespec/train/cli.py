@@ -43,6 +43,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=1024, help="tokens per conversation (truncated)")
     p.add_argument("--val-fraction", type=float, default=0.02)
     p.add_argument("--shard-size", type=int, default=64, help="conversations per feature shard")
+    p.add_argument("--features", default=None, metavar="DIR",
+                   help="feature store (default OUT/features); runs may share one, and a larger "
+                        "--max-conversations extends it, keeping the shards already dumped")
     p.add_argument("--online", action="store_true", help="compute features inside the loop instead of dumping")
     p.add_argument("--regenerate", action="store_true",
                    help="replace assistant turns with the target's own answers before training "
@@ -199,7 +202,7 @@ def cmd_train(args) -> int:
               f"{len(train_ids):,} train / {len(val_ids):,} validation", file=sys.stderr)
     head = new_head(args, target, samples, train_ids, val_ids, rank, vocab_samples(args, engine.tokenizer.hf))
     layers = tuple(head.target_layers or ())  # hidden states the head reads (EAGLE-3)
-    feat_dir = out / "features"
+    feat_dir = Path(args.features) if args.features else out / "features"
     if args.online:
         from .online import OnlineStore
 

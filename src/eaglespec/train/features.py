@@ -4,7 +4,9 @@ A shard holds the samples [i * shard_size, (i + 1) * shard_size) concatenated:
   input_ids [T] int32, loss_mask [T] uint8, features [T, H] bf16 (the hidden state entering the
   LM head), offsets [n + 1] int64, and optionally hidden_{layer} [T, H] for EAGLE-3.
 Shards are written atomically, so a rerun (or another rank) skips the finished ones and a kill
-between or inside shards loses at most the shard in progress.
+between or inside shards loses at most the shard in progress. A finished shard is kept only if it
+holds exactly the samples it should (tokens, masks, lengths): a dump for a grown dataset (a larger
+--max-conversations) keeps every shard it shares with the smaller one and redoes the rest.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..weights import atomic_save_safetensors
 from .data import TokenizedSample
 
 MANIFEST = "manifest.json"
+COUNTS = ("samples", "tokens")  # manifest keys a grown dataset may change (the shards are checked)
 
 
 @dataclass
@@ -29,6 +32,7 @@ class DumpReport:
     shards_total: int
     shards_written: int
     shards_skipped: int
+    shards_replaced: int  # finished shards that held other samples (a dataset that changed), redone
     tokens_written: int
     seconds: float
     bytes_on_disk: int
@@ -40,7 +44,8 @@ class DumpReport:
 
     def summary(self) -> str:
         rate = self.tokens_written / self.seconds if self.seconds > 0 else 0.0
-        return (f"features: {self.shards_total} shards ({self.shards_skipped} already done), "
+        redone = f", {self.shards_replaced} redone for changed samples" if self.shards_replaced else ""
+        return (f"features: {self.shards_total} shards ({self.shards_skipped} already done{redone}), "
                 f"{self.tokens_written:,} tokens dumped in {self.seconds:.0f} s ({rate:.0f} tokens/s); "
                 f"disk {self.bytes_on_disk / 2**20:.1f} MiB = {self.bytes_per_token:.0f} bytes/token")
 
@@ -65,7 +70,28 @@ def write_manifest(out: Path, info: dict) -> None:
     """Record what the features were made from; refuse to mix dumps made differently."""
     out.mkdir(parents=True, exist_ok=True)
     pin_settings(out / MANIFEST, info, f"{out} holds features made with other settings; use another --out "
-                 "directory or delete it; they differ in")
+                 "directory or delete it; they differ in", counts=COUNTS)
+
+
+def shard_holds(path: Path, chunk: list[TokenizedSample]) -> bool:
+    """Whether the finished shard at `path` holds exactly these samples (reads only its token
+    tensors, not the features)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        return False
+    want_offsets = [0]
+    for s in chunk:
+        want_offsets.append(want_offsets[-1] + len(s))
+    try:
+        with safe_open(str(path), "pt") as f:
+            if f.get_tensor("offsets").tolist() != want_offsets:
+                return False
+            ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+    except (SafetensorError, OSError):  # unreadable: redo it
+        return False
+    return (ids.tolist() == [t for s in chunk for t in s.input_ids]
+            and mask.tolist() == [m for s in chunk for m in s.loss_mask])
 
 
 @torch.inference_mode()
@@ -87,17 +113,20 @@ def dump_features(target: Transformer, samples: list[TokenizedSample], out: Path
     remove_stale_temps(out)  # half-written shards of a killed run (other ranks' live ones are locked)
     n_shards = (len(samples) + shard_size - 1) // shard_size
     mine = [i for i in range(n_shards) if i % world == rank]
-    todo = [i for i in mine if not shard_path(out, i).is_file()]
-    todo_tokens = sum(len(samples[j]) for i in todo for j in range(i * shard_size, min(len(samples), (i + 1) * shard_size)))
+    def chunk(i: int) -> list[TokenizedSample]:
+        return samples[i * shard_size:(i + 1) * shard_size]
+
+    todo = [i for i in mine if not shard_holds(shard_path(out, i), chunk(i))]
+    replaced = sum(shard_path(out, i).is_file() for i in todo)
+    todo_tokens = sum(len(s) for i in todo for s in chunk(i))
     t0 = time.perf_counter()
     written = 0
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"features (rank {rank})",
                disable=not progress or not todo, dynamic_ncols=True)
     for i in todo:
-        chunk = samples[i * shard_size:(i + 1) * shard_size]
         feats, ids, masks, offsets = [], [], [], [0]
         hid: dict[int, list[torch.Tensor]] = {h: [] for h in hidden_layers}
-        for s in chunk:
+        for s in chunk(i):
             f, h = target_features(target, s.input_ids, hidden_layers)
             feats.append(f.to(torch.bfloat16).cpu())
             for k in hidden_layers:
@@ -116,7 +145,8 @@ def dump_features(target: Transformer, samples: list[TokenizedSample], out: Path
     all_files = [shard_path(out, i) for i in range(n_shards)]
     size = sum(p.stat().st_size for p in all_files if p.is_file())
     total = sum(len(s) for s in samples)
-    return DumpReport(n_shards, len(todo), len(mine) - len(todo), written, time.perf_counter() - t0, size, total)
+    return DumpReport(n_shards, len(todo), len(mine) - len(todo), replaced, written, time.perf_counter() - t0,
+                      size, total)
 
 
 def load_shard(path: Path) -> Shard:
@@ -126,7 +156,3 @@ def load_shard(path: Path) -> Shard:
     hidden = {int(k.split("_")[1]): v for k, v in d.items() if k.startswith("hidden_")}
     return Shard(d["input_ids"].long(), d["loss_mask"].bool(), d["features"], d["offsets"].tolist(), hidden)
 
-
-def shards_complete(out: Path, n_samples: int, shard_size: int) -> bool:
-    n_shards = (n_samples + shard_size - 1) // shard_size
-    return all(shard_path(out, i).is_file() for i in range(n_shards))

@@ -1,0 +1,203 @@
+// Decode-shaped attention on a CPU (one token, a draft tree, a few rows), row-invariant by
+// construction.
+//
+// Owns: softmax(q k^T * scale) v for every (batch row, query head, new token), reading the KV
+// cache in place (bf16, [B, n_kv, S, hd] views whose last dimension is contiguous) and a boolean
+// mask of visible slots.
+//
+// Why a kernel: the same attention as a dozen torch ops costs ~10 us of dispatch each, for about
+// a microsecond of arithmetic per layer at one query; and a tree node must get the same bits as
+// the same token decoded alone (eaglespec/attention.py explains why that matters).
+//
+// Why it is exact: each (row, head, token) is computed on its own, over its visible keys only,
+// taken in slot order (the committed context, then the node's ancestors, then itself: the same
+// logical sequence the one-token call reads), with a fixed sequence of float operations that
+// depends on nothing but that sequence. Masked slots are skipped, not weighted by zero, so other
+// nodes between a node's keys cannot change its sums; work is split between threads by whole
+// (row, head, token) items.
+//
+// Arithmetic: scores are fp32 dot products of the bf16 inputs (16 lanes, lanes summed in a fixed
+// tree), the softmax runs in fp32 with the running maximum taken first, the weighted sum of values
+// accumulates in fp32 along the keys, and the output is rounded to bf16 once. -ffp-contract=off
+// keeps the compiler from fusing multiply-adds differently in different places.
+
+#include "ops.h"
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace eaglespec;
+
+constexpr int MAX_CHUNKS = 32;  // head_dim up to 512
+
+inline float lane_max(f32x16 v) {
+  float m = v[0];
+  for (int i = 1; i < LANES; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// exp of 16 values <= 0 (scores minus their maximum), ours rather than libm's so that the result
+// is the same function everywhere: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series
+// to r^7 (relative error below 2e-7), times 2^n built from the exponent bits. Below -87 the
+// result is clamped to exp(-87) (~1.6e-38), negligible against the maximum's weight of 1.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 lo = f32x16{} - 87.f;
+  x = x < lo ? lo : x;
+  const i32x16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16);  // rounds toward 0: ceil
+  const f32x16 nf = __builtin_convertvector(n, f32x16);
+  const f32x16 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;  // ln2 in two parts
+  f32x16 p = r * (1.f / 5040) + (1.f / 720);
+  p = p * r + (1.f / 120);
+  p = p * r + (1.f / 24);
+  p = p * r + (1.f / 6);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i32x16 bits = (n + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Call {
+  const c10::BFloat16 *q, *k, *v;
+  c10::BFloat16* out;
+  const bool* mask;  // null: every slot visible
+  int64_t nh, nkv, T, S, g, chunks;
+  int64_t ksb, ksh, kss, vsb, vsh, vss, msb, mst, mss;
+  float scale;
+};
+
+struct Scratch {
+  std::vector<int64_t> slots;
+  std::vector<float> scores, totals;
+  std::vector<f32x16> qv, acc;
+  Scratch(const Call& c)
+      : slots(c.S), scores(c.g * padded(c.S)), totals(c.g), qv(c.g * c.chunks), acc(c.g * c.chunks) {}
+  static int64_t padded(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
+};
+
+// One item: (row b, kv head h, token t) and its g query heads, which share the keys. C: head_dim
+// / 16 when known at compile time (0: read it from the call); the arithmetic is the same either way.
+template <int C>
+void attend_item(const Call& c, int64_t item, Scratch& w) {
+  const int64_t chunks = C ? C : c.chunks, g = c.g, Sp = Scratch::padded(c.S);
+  const int64_t t = item % c.T, h = (item / c.T) % c.nkv, b = item / (c.T * c.nkv);
+  int64_t n = 0;  // visible slots, in slot order
+  if (c.mask) {
+    const bool* row = c.mask + b * c.msb + t * c.mst;
+    for (int64_t s = 0; s < c.S; ++s)
+      if (row[s * c.mss]) w.slots[n++] = s;
+  } else {
+    for (int64_t s = 0; s < c.S; ++s) w.slots[n++] = s;
+  }
+  const int64_t hd = chunks * LANES;
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      w.qv[j * chunks + ch] = load_bf16(c.q + ((b * c.nh + h * g + j) * c.T + t) * hd + ch * LANES);
+  const c10::BFloat16* kh = c.k + b * c.ksb + h * c.ksh;
+  const c10::BFloat16* vh = c.v + b * c.vsb + h * c.vsh;
+  for (int64_t i = 0; i < n; ++i) {  // scores: 16-lane products over head_dim, lanes summed in a tree
+    f32x16 kc[C ? C : MAX_CHUNKS];
+    for (int64_t ch = 0; ch < chunks; ++ch) kc[ch] = load_bf16(kh + w.slots[i] * c.kss + ch * LANES);
+    for (int64_t j = 0; j < g; ++j) {
+      const f32x16* qj = &w.qv[j * chunks];
+      f32x16 d = qj[0] * kc[0];
+      for (int64_t ch = 1; ch < chunks; ++ch) d = d + qj[ch] * kc[ch];
+      w.scores[j * Sp + i] = lane_sum(d) * c.scale;
+    }
+  }
+  const int64_t blocks = (n + LANES - 1) / LANES;
+  for (int64_t j = 0; j < g; ++j) {  // unnormalised weights exp(score - max), and their sum
+    float* sj = w.scores.data() + j * Sp;
+    for (int64_t i = n; i < blocks * LANES; ++i) sj[i] = -INFINITY;  // the last block's unused lanes
+    f32x16 top = f32x16{} - INFINITY;
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      f32x16 x;
+      std::memcpy(&x, sj + blk * LANES, sizeof(x));
+      top = x > top ? x : top;
+    }
+    const float mx = lane_max(top);
+    f32x16 total = f32x16{};
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      f32x16 x;
+      std::memcpy(&x, sj + blk * LANES, sizeof(x));
+      f32x16 e = exp_nonpositive(x - mx);
+      e = x == -INFINITY ? f32x16{} : e;  // unused lanes weigh exactly nothing
+      std::memcpy(sj + blk * LANES, &e, sizeof(e));
+      total = total + e;
+    }
+    w.totals[j] = lane_sum(total);
+    for (int64_t ch = 0; ch < chunks; ++ch) w.acc[j * chunks + ch] = f32x16{};
+  }
+  for (int64_t i = 0; i < n; ++i) {  // the weighted sum of values, along the keys
+    f32x16 vc[C ? C : MAX_CHUNKS];
+    for (int64_t ch = 0; ch < chunks; ++ch) vc[ch] = load_bf16(vh + w.slots[i] * c.vss + ch * LANES);
+    for (int64_t j = 0; j < g; ++j) {
+      const float e = w.scores[j * Sp + i];
+      f32x16* aj = &w.acc[j * chunks];
+      for (int64_t ch = 0; ch < chunks; ++ch) aj[ch] = aj[ch] + e * vc[ch];
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    const float total = w.totals[j];
+    c10::BFloat16* o = c.out + ((b * c.nh + h * g + j) * c.T + t) * hd;
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      store_bf16(o + ch * LANES, total > 0.f ? w.acc[j * chunks + ch] / total : f32x16{});
+    }
+  }
+}
+
+template <int C>
+void attend_all(const Call& c, int64_t items) {
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(c);
+    for (int64_t item = begin; item < end; ++item) attend_item<C>(c, item, w);
+  });
+}
+
+}  // namespace
+
+// q: [B, nh, T, hd] bf16; k, v: [B, nkv, S, hd] bf16 with contiguous last dim;
+// mask: [B, T, S] bool (any strides) or undefined (every slot visible). Returns [B, nh, T, hd].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               c10::optional<torch::Tensor> mask, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "decode_attention: bf16 q, k, v");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: 4-d q, k, v");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k, v need a contiguous last dim");
+  q = q.contiguous();
+  const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), hd = q.size(3);
+  const int64_t nkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(hd % LANES == 0 && hd / LANES <= MAX_CHUNKS, "decode_attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(nh % nkv == 0 && k.size(0) == B && v.size(0) == B && v.size(2) == S && k.size(3) == hd,
+              "decode_attention: shapes do not match");
+  torch::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 3 && m.size(0) == B && m.size(1) == T && m.size(2) == S,
+                "decode_attention: mask must be bool [B, T, S]");
+  }
+  auto out = torch::empty({B, nh, T, hd}, q.options());
+  const bool masked = m.defined();
+  const Call c{q.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(),
+               out.data_ptr<c10::BFloat16>(), masked ? m.data_ptr<bool>() : nullptr,
+               nh, nkv, T, S, nh / nkv, hd / LANES,
+               k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+               masked ? m.stride(0) : 0, masked ? m.stride(1) : 0, masked ? m.stride(2) : 0,
+               static_cast<float>(scale)};
+  const int64_t items = B * nkv * T;
+  switch (c.chunks) {  // common head sizes unrolled; the arithmetic is identical
+    case 4: attend_all<4>(c, items); break;
+    case 8: attend_all<8>(c, items); break;
+    case 16: attend_all<16>(c, items); break;
+    default: attend_all<0>(c, items);
+  }
+  return out;
+}

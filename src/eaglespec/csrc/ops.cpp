@@ -1,0 +1,9 @@
+// Python bindings of the `eaglespec_ops` extension: the target's per-token CPU operations in bf16,
+// each row-invariant (a row's result never depends on the other rows of the call).
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "row-invariant decode attention over a bf16 KV cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows, normalised in fp32");
+  m.def("rope", &rope, "rotary embedding (rotate-half layout) of bf16 heads");
+}

@@ -1,0 +1,8 @@
+// The operations of the `eaglespec_ops` extension (bound to Python in ops.cpp).
+#pragma once
+#include <torch/extension.h>
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               c10::optional<torch::Tensor> mask, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);

@@ -1,0 +1,105 @@
+"""csrc's bf16 CPU ops (eaglespec.kernels.ops_kernel): the decode attention
+(attention.kernel_attention), RMSNorm and RoPE the target runs at inference. Accurate against
+fp32 / torch references, row-invariant over batch rows, heads, masks and cache views
+(test_row_invariance.py checks trees and the whole model), and optional: with EAGLESPEC_KERNELS=0
+the torch ops take their place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglespec.attention import attend, grouped_attention, kernel_attention
+from eaglespec.kernels import ops_kernel
+from eaglespec.model import RMSNorm, apply_rotary
+
+pytestmark = pytest.mark.skipif(ops_kernel() is None, reason="the attention kernel could not be built here")
+
+
+def reference(q, k, v, mask):
+    """fp32 softmax attention of the bf16 inputs (mask [B, T, S] or None)."""
+    g = q.shape[1] // k.shape[1]
+    m = None if mask is None else mask[:, None]
+    return F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
+                                          v.float().repeat_interleave(g, 1), attn_mask=m)
+
+
+@pytest.mark.parametrize("b,nh,nkv,t,s,hd", [(1, 9, 3, 1, 1, 64), (1, 9, 3, 1, 513, 64), (2, 4, 4, 7, 100, 128),
+                                             (3, 8, 2, 16, 40, 256), (1, 4, 1, 64, 300, 16)])
+def test_matches_fp32_reference(b, nh, nkv, t, s, hd):
+    g = torch.Generator().manual_seed(s + hd)
+    q = torch.randn(b, nh, t, hd, generator=g).bfloat16()
+    # keys and values as the cache holds them: views into a longer buffer
+    k, v = (torch.randn(b, nkv, s + 9, hd, generator=g).bfloat16()[:, :, :s] for _ in range(2))
+    mask = torch.rand(b, t, s, generator=g) < 0.6
+    mask[..., 0] = True  # every query sees at least one key
+    for m in (None, mask):
+        got = kernel_attention(q, k, v, None if m is None else m[:, None])
+        # bf16 output: half an ulp (2^-9 relative) of rounding, plus fp32 sums
+        torch.testing.assert_close(got.float(), reference(q, k, v, m), atol=1e-2, rtol=8e-3)
+
+
+def test_rows_heads_and_batch_rows_are_independent():
+    """Each (row, head, token) alone over its visible keys compacted gives the same bits."""
+    g = torch.Generator().manual_seed(0)
+    b, nh, nkv, t, s, hd = 2, 6, 2, 5, 70, 64
+    q = torch.randn(b, nh, t, hd, generator=g).bfloat16()
+    k, v = (torch.randn(b, nkv, s, hd, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(b, t, s, generator=g) < 0.5
+    mask[..., 3] = True
+    full = kernel_attention(q, k, v, mask[:, None])
+    for i in range(b):
+        for j in range(t):
+            vis = mask[i, j].nonzero().flatten()
+            alone = kernel_attention(q[i:i + 1, :, j:j + 1], k[i:i + 1, :, vis], v[i:i + 1, :, vis], None)
+            assert torch.equal(alone, full[i:i + 1, :, j:j + 1]), (i, j)
+
+
+def test_a_two_dimensional_mask_is_shared_by_the_batch():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 6, 32, generator=g).bfloat16()
+    k, v = (torch.randn(3, 2, 20, 32, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(6, 20, generator=g) < 0.5
+    mask[:, 0] = True
+    assert torch.equal(kernel_attention(q, k, v, mask), kernel_attention(q, k, v, mask.expand(3, 1, 6, 20)))
+
+
+def test_calls_it_cannot_take_go_elsewhere(monkeypatch):
+    q = torch.randn(1, 2, 1, 24).bfloat16()  # head_dim not a multiple of 16
+    k = v = torch.randn(1, 2, 5, 24).bfloat16()
+    assert kernel_attention(q, k, v, None) is None
+    assert kernel_attention(q.float(), k.float(), v.float(), None) is None
+    torch.testing.assert_close(attend(q, k, v, None).float(), reference(q, k, v, None), atol=1e-2, rtol=1e-2)
+    # EAGLESPEC_KERNELS=0: the torch ops, the same answer to bf16 rounding
+    monkeypatch.setenv("EAGLESPEC_KERNELS", "0")
+    assert ops_kernel() is None
+    q, k, v = torch.randn(1, 4, 1, 64).bfloat16(), torch.randn(1, 2, 9, 64).bfloat16(), torch.randn(1, 2, 9, 64).bfloat16()
+    assert torch.equal(attend(q, k, v, None), grouped_attention(q, k, v, None))
+
+
+def test_rms_norm_and_rope_match_torch():
+    """Within a bf16 rounding of the torch ops (their sums run in another order; rope is computed
+    in fp32 and rounded once instead of three times)."""
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    norm.weight.data = (1 + torch.randn(576, generator=g) * 0.2).bfloat16()
+    x = (torch.randn(3, 5, 576, generator=g) * 3).bfloat16()
+    qkv = torch.randn(2, 7, 16 * 64, generator=g).bfloat16()
+    q = qkv.view(2, 7, 16, 64).transpose(1, 2)  # a strided view, as the attention passes it
+    pos = torch.arange(7)[None].expand(2, 7) + 40
+    freqs = pos.float()[..., None] / 10000 ** (torch.arange(0, 64, 2) / 64)
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().bfloat16()[:, None], emb.sin().bfloat16()[:, None]
+    want_norm, want_rope = norm(x), apply_rotary(q, cos, sin)  # grad enabled: torch's ops
+    with torch.no_grad():
+        got_norm, got_rope = norm(x), apply_rotary(q, cos, sin)
+    assert got_norm.shape == want_norm.shape and got_rope.shape == want_rope.shape
+    torch.testing.assert_close(got_norm.float(), want_norm.float(), rtol=8e-3, atol=1e-3)
+    # rope rounds once: within half a bf16 ulp of the fp32 result (torch's three roundings can
+    # land a few ulps away where the two products nearly cancel)
+    qf, half = q.float(), 32
+    exact = qf * cos.float() + torch.cat([-qf[..., half:], qf[..., :half]], -1) * sin.float()
+    torch.testing.assert_close(got_rope.float(), exact, rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(want_rope.float(), exact, rtol=0.1, atol=0.02)
+    assert not torch.equal(got_norm, want_norm) or not torch.equal(got_rope, want_rope), "the kernels did not run"
