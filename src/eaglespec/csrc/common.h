@@ -12,6 +12,24 @@ namespace eaglespec {
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
 
+// Calls f(std::integral_constant<int, R>{}, m) for every block of R rows starting at m: blocks of
+// R, then the last rows as one smaller block. The kernels' per-row operations do not depend on
+// the block size, so neither does a row's result.
+template <int R, typename F>
+inline void last_rows(int64_t left, int64_t m, F& f) {
+  if constexpr (R > 0) {
+    if (left == R) f(std::integral_constant<int, R>{}, m);
+    else last_rows<R - 1>(left, m, f);
+  }
+}
+
+template <int R, typename F>
+inline void for_row_blocks(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R) f(std::integral_constant<int, R>{}, m);
+  last_rows<R - 1>(M - m, m, f);
+}
+
 // x: bf16 [M, K] -> a: int8 [M, K], d: f32 [M, G] (activation scale), c: f32 [M, G] (d * sum a),
 // sums: int32 [M, G] (sum a). Per row and group of 32: d = max|x| / 127, a = round(x * (1 / d)),
 // half to even like torch.round (d = 0: a = 0).

@@ -88,18 +88,9 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor para
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = wp + t * G * 256;
       const float* pt = pp + t * G * 32;
-      int64_t m = 0;
-      for (; m + kRows <= M; m += kRows) tile_rows<kRows>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile);
-      switch (M - m) {  // the last rows, fewer at a time: same operations per row
-        case 7: tile_rows<7>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
-        case 6: tile_rows<6>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
-        case 5: tile_rows<5>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
-        case 4: tile_rows<4>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
-        case 3: tile_rows<3>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
-        case 2: tile_rows<2>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
-        case 1: tile_rows<1>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile); break;
-        default: break;
-      }
+      for_row_blocks<kRows>(M, [&](auto rows, int64_t m) {
+        tile_rows<decltype(rows)::value>(wt, pt, G, ap, dp, cp, K, m, yp, N, t * kTile);
+      });
     }
   });
   return y;
