@@ -236,6 +236,10 @@ def cmd_train(args) -> int:
               f"{[round(a, 3) for a in metrics.get('n_alpha', [])]}, implied tau {metrics.get('implied_tau', 0):.2f}; "
               f"peak memory {peak_rss_gib():.1f} GiB", file=sys.stderr)
     if world > 1:
+        # Every rank leaves its last collective before any tears the group down: a rank that
+        # destroys (or exits) while a peer's gloo transfer is in flight can abort that peer
+        # ("terminate called without an active exception").
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return 0
 
