@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from eaglespec.config import EAGLE1_CHOICES, SamplingConfig, TreeConfig
 from eaglespec.draft import init_random_head
 from eaglespec.kv_cache import RowKVCache
+from eaglespec.quant import greedy_exact, quantize_model
 from eaglespec.runtime.engine import Engine, Request
 from eaglespec.spec import step as step_mod
 from eaglespec.spec import verify as spec_verify
@@ -62,7 +63,7 @@ def oracle(seed: int = 0, p_oracle: float = 0.5, noise: float = 0.15, memo: bool
 
 def oracle_engine(target, seed: int = 0, p_oracle: float = 0.5, noise: float = 0.15, memo: bool = False,
                   **kw) -> RecordingEngine:
-    head = sharp_random_head(target.config, seed=seed + 1)
+    head = sharp_random_head(target.config, seed=seed + 1).to(target.dtype)
     return RecordingEngine(target, head, proposer=oracle(seed, p_oracle, noise, memo), **kw)
 
 
@@ -95,8 +96,13 @@ def cases(draw):
 def run_case(c: dict, seen: Counter) -> None:
     tight = c["window"] is not None
     window = max(n + m for n, m, _ in c["requests"]) + c["window"] if tight else 256
-    cfg = tiny_config(arch=c["arch"], vocab=c["vocab"], max_pos=window, tie=c["tie"])
-    target = tiny_model(cfg, seed=c["seed"])
+    if c.get("quant"):  # the CPU default mode: bf16 activations, every linear on an integer kernel
+        cfg = tiny_config(arch=c["arch"], vocab=c["vocab"], max_pos=window, tie=c["tie"], hidden=64, inter=128)
+        target = quantize_model(tiny_model(cfg, seed=c["seed"], dtype=torch.bfloat16), c["quant"])
+        assert greedy_exact(target)
+    else:
+        cfg = tiny_config(arch=c["arch"], vocab=c["vocab"], max_pos=window, tie=c["tie"])
+        target = tiny_model(cfg, seed=c["seed"])
     rng = random.Random(c["seed"])
     prompts = [[rng.randrange(c["vocab"]) for _ in range(n)] for n, _, _ in c["requests"]]
     # max_new_tokens None (until the window is full) only with a small window.
@@ -115,7 +121,7 @@ def run_case(c: dict, seen: Counter) -> None:
         engine = oracle_engine(target, seed=c["seed"], eos_ids=eos_ids, max_batch=c["max_batch"],
                                prefill_chunk=c["prefill_chunk"], fixed_shapes=c["fixed_shapes"])
     else:
-        engine = RecordingEngine(target, init_random_head(cfg, seed=c["seed"]), eos_ids=eos_ids,
+        engine = RecordingEngine(target, init_random_head(cfg, seed=c["seed"], dtype=target.dtype), eos_ids=eos_ids,
                                  max_batch=c["max_batch"], prefill_chunk=c["prefill_chunk"],
                                  fixed_shapes=c["fixed_shapes"])
     reqs = [Request(p, c["method"], tree, max_new_tokens=m) for p, m in zip(prompts, budgets)]
@@ -187,6 +193,24 @@ def test_greedy_lossless_fuzz():
     # The fuzzing reached the cases that matter (hypothesis is derandomized: stable counts).
     for key in ("eagle", "eagle2", "long_run", "eos_in_run", "eos_mid_run", "max_new_in_run",
                 "context_full", "tree_cut", "queued", "ragged_batch", "fixed_shapes"):
+        assert seen[key] > 0, (key, seen)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_greedy_lossless_fuzz_default_cpu_mode(quant):
+    """The same fuzz in bf16 with quantised linears (the CPU default, which claims exactness like
+    fp32): every request's output equals vanilla token for token."""
+    seen: Counter = Counter()
+
+    @settings(max_examples=30, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(cases())
+    def fuzz(c):
+        run_case({**c, "quant": quant}, seen)
+
+    with single_thread():
+        fuzz()
+    for key in ("eagle", "eagle2", "long_run", "ragged_batch"):
         assert seen[key] > 0, (key, seen)
 
 

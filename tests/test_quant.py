@@ -111,6 +111,10 @@ def test_quantize_model_swaps_linears_and_stays_close(mode):
     assert model.lm_head.weight.dtype == torch.bfloat16  # the drafter still reads the float head
     assert model.layers[0].mlp.w_down.__dict__.get("weight") is None  # the float layer weights are freed
     assert model.quant == mode and greedy_exact(model) and not greedy_exact(ref)
+    # a linear left float (a width no kernel takes) withdraws the claim
+    odd = quant_tiny()
+    odd.layers[0].mlp.w_down = torch.nn.Linear(120, 64, bias=False, dtype=torch.bfloat16)
+    assert not greedy_exact(quantize_model(odd, mode))
     tokens = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(12)[None]
     with torch.inference_mode():

@@ -237,7 +237,7 @@ def quantize_model(model: nn.Module, mode: str,
     a function that unpacks them when their layer's turn comes (entries are removed as they are
     used, so their blocks can go);
     other linears in int4 mode are quantised from their float weights. Shapes the kernels cannot
-    take stay float (tiny test models)."""
+    take stay float (tiny test models), and greedy_exact then withdraws its claim."""
     model.quant = mode
     if mode == "none":
         return model
@@ -267,4 +267,8 @@ def greedy_exact(model: nn.Module) -> bool:
     round a near-tie apart."""
     if model.dtype == torch.float32:
         return True
-    return model.device.type == "cpu" and getattr(model, "quant", "none") in ("int4", "int8")
+    if model.device.type != "cpu" or getattr(model, "quant", "none") not in ("int4", "int8"):
+        return False
+    # A linear the kernels could not take (an odd width, an MoE router) stays a float nn.Linear,
+    # whose product is not row-invariant: then the guarantee does not hold.
+    return not any(isinstance(m, nn.Linear) for m in model.modules())
