@@ -77,9 +77,10 @@ struct Call {
 struct Scratch {
   std::vector<int64_t> slots;
   std::vector<float> scores, totals;
-  std::vector<f32x16> qv, acc;
+  std::vector<f32x16> qv, acc, keys;  // keys: one block of LANES keys in fp32, [LANES * chunks]
   Scratch(const Call& c)
-      : slots(c.S), scores(c.g * padded(c.S)), totals(c.g), qv(c.g * c.chunks), acc(c.g * c.chunks) {}
+      : slots(c.S), scores(c.g * padded(c.S)), totals(c.g), qv(c.g * c.chunks), acc(c.g * c.chunks),
+        keys(LANES * c.chunks) {}
   static int64_t padded(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
 };
 
@@ -103,7 +104,29 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
       w.qv[j * chunks + ch] = load_bf16(c.q + ((b * c.nh + h * g + j) * c.T + t) * hd + ch * LANES);
   const c10::BFloat16* kh = c.k + b * c.ksb + h * c.ksh;
   const c10::BFloat16* vh = c.v + b * c.vsb + h * c.vsh;
-  for (int64_t i = 0; i < n; ++i) {  // scores: 16-lane products over head_dim, lanes summed in a tree
+  // Scores: 16-lane products over head_dim, lanes summed in a fixed tree. Whole blocks of 16 keys
+  // are widened to fp32 once for all g heads and their 16 lane sums done together (lane_sums16);
+  // the last keys one by one. Both give every key the same operations, so the block boundaries
+  // (which depend on how many keys are visible) cannot change a score.
+  int64_t i0 = 0;
+  for (; i0 + LANES <= n; i0 += LANES) {
+    f32x16* kb = w.keys.data();
+    for (int64_t r = 0; r < LANES; ++r)
+      for (int64_t ch = 0; ch < chunks; ++ch) kb[r * chunks + ch] = load_bf16(kh + w.slots[i0 + r] * c.kss + ch * LANES);
+    for (int64_t j = 0; j < g; ++j) {
+      const f32x16* qj = &w.qv[j * chunks];
+      f32x16 d[LANES];
+      for (int64_t r = 0; r < LANES; ++r) {
+        const f32x16* kr = kb + r * chunks;
+        f32x16 x = qj[0] * kr[0];
+        for (int64_t ch = 1; ch < chunks; ++ch) x = x + qj[ch] * kr[ch];
+        d[r] = x;
+      }
+      const f32x16 sc = lane_sums16(d) * c.scale;
+      std::memcpy(&w.scores[j * Sp + i0], &sc, sizeof(sc));
+    }
+  }
+  for (int64_t i = i0; i < n; ++i) {
     f32x16 kc[C ? C : MAX_CHUNKS];
     for (int64_t ch = 0; ch < chunks; ++ch) kc[ch] = load_bf16(kh + w.slots[i] * c.kss + ch * LANES);
     for (int64_t j = 0; j < g; ++j) {

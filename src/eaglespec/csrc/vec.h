@@ -41,4 +41,22 @@ inline float lane_sum(f32x16 v) {
   return c[0] + c[1];
 }
 
+// lane_sum of 16 vectors at once: out[i] == lane_sum(v[i]) bit for bit (the same pairwise tree,
+// each stage adding the low and high halves of two vectors in one operation), so a caller may
+// reduce keys 16 at a time or one by one and get the same scores.
+inline f32x16 lane_sums16(const f32x16* v) {
+  f32x16 w[8], x[4], y[2];
+  for (int p = 0; p < 8; ++p)  // lane j of pair (A, B): A[j] + A[j + 8], then B's in lanes 8..15
+    w[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int p = 0; p < 4; ++p)  // each group of 8: [j] + [j + 4]
+    x[p] = __builtin_shufflevector(w[2 * p], w[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * p], w[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int p = 0; p < 2; ++p)  // each group of 4: [j] + [j + 2]
+    y[p] = __builtin_shufflevector(x[2 * p], x[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x[2 * p], x[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 }  // namespace eaglespec
