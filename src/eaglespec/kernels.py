@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -103,30 +104,37 @@ def _why(e: Exception) -> str:
     return next((s for s in lines if "error" in s), lines[-1] if lines else type(e).__name__).strip()
 
 
-def _kernel(kind: str) -> ModuleType | None:
+def _kernel(kind: str, sources: list[Path], flags: Callable[[], list[str]] | None, fallback: str) -> ModuleType | None:
+    """Extension `kind` built once per process (or found built), or None: `EAGLESPEC_KERNELS=0`,
+    `flags` None (this CPU cannot run it; silently) or a failed build (one warning naming
+    `fallback`, what the callers use instead)."""
     if os.environ.get("EAGLESPEC_KERNELS", "1") == "0":
         return None
     if kind not in _loaded:
         module = None
-        if set(ISA) <= cpu_features():
+        if flags is not None:
             try:
-                module = _build(f"eaglespec_{kind}", SOURCES[kind], FLAGS)
-            except Exception as e:  # no compiler, no headers, ...: torch's kernel it is
-                log.warning("eaglespec: could not build the %s VNNI kernel (%s); using torch's %s kernel",
-                            kind, _why(e), kind)
+                module = _build(f"eaglespec_{kind}", sources, flags())
+            except Exception as e:  # no compiler, no headers, ...
+                log.warning("eaglespec: could not build the %s kernel (%s); using %s", kind, _why(e), fallback)
         _loaded[kind] = module
     return _loaded[kind]
+
+
+def _vnni(kind: str) -> ModuleType | None:
+    runs = kind in _loaded or set(ISA) <= cpu_features()  # CPU features read only until loaded
+    return _kernel(kind, SOURCES[kind], (lambda: FLAGS) if runs else None, f"torch's {kind} kernel")
 
 
 def int4_kernel() -> ModuleType | None:
     """The W4A8 VNNI kernel module (`int4_gemm(x, codes, params)`), or None where it cannot run:
     `EAGLESPEC_KERNELS=0`, a CPU without AVX512-VNNI (silently) or a failed build (one warning)."""
-    return _kernel("int4")
+    return _vnni("int4")
 
 
 def int8_kernel() -> ModuleType | None:
     """The W8A8 VNNI kernel module (`int8_gemm(x, codes, wscale)`), or None, as `int4_kernel`."""
-    return _kernel("int8")
+    return _vnni("int8")
 
 
 def ops_flags(features: set[str]) -> list[str]:
@@ -139,16 +147,7 @@ def ops_flags(features: set[str]) -> list[str]:
 def ops_kernel() -> ModuleType | None:
     """The per-token bf16 CPU ops (`decode_attention`, `rms_norm`, `rope`; csrc/ops.h), or None:
     `EAGLESPEC_KERNELS=0` or a failed build (one warning); callers keep their torch ops."""
-    if os.environ.get("EAGLESPEC_KERNELS", "1") == "0":
-        return None
-    if "ops" not in _loaded:
-        module = None
-        try:
-            module = _build("eaglespec_ops", OPS_SOURCES, ops_flags(cpu_features()))
-        except Exception as e:  # no compiler, no headers, ...: the torch ops it is
-            log.warning("eaglespec: could not build the CPU ops (%s); using torch ops", _why(e))
-        _loaded["ops"] = module
-    return _loaded["ops"]
+    return _kernel("ops", OPS_SOURCES, lambda: ops_flags(cpu_features()), "torch ops")
 
 
 GROUP, TILE = 32, 16  # inputs per scale; outputs per kernel tile

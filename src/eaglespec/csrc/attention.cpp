@@ -65,6 +65,14 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   return p * scale;
 }
 
+// A query-key dot product before its lane sum: q and k as `chunks` vectors of 16, multiplied lane
+// by lane and added chunk after chunk (the one order every score uses).
+inline f32x16 lane_products(const f32x16* q, const f32x16* k, int64_t chunks) {
+  f32x16 d = q[0] * k[0];
+  for (int64_t ch = 1; ch < chunks; ++ch) d = d + q[ch] * k[ch];
+  return d;
+}
+
 struct Call {
   const c10::BFloat16 *q, *k, *v;
   c10::BFloat16* out;
@@ -116,12 +124,7 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
     for (int64_t j = 0; j < g; ++j) {
       const f32x16* qj = &w.qv[j * chunks];
       f32x16 d[LANES];
-      for (int64_t r = 0; r < LANES; ++r) {
-        const f32x16* kr = kb + r * chunks;
-        f32x16 x = qj[0] * kr[0];
-        for (int64_t ch = 1; ch < chunks; ++ch) x = x + qj[ch] * kr[ch];
-        d[r] = x;
-      }
+      for (int64_t r = 0; r < LANES; ++r) d[r] = lane_products(qj, kb + r * chunks, chunks);
       const f32x16 sc = lane_sums16(d) * c.scale;
       std::memcpy(&w.scores[j * Sp + i0], &sc, sizeof(sc));
     }
@@ -129,12 +132,8 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
   for (int64_t i = i0; i < n; ++i) {
     f32x16 kc[C ? C : MAX_CHUNKS];
     for (int64_t ch = 0; ch < chunks; ++ch) kc[ch] = load_bf16(kh + w.slots[i] * c.kss + ch * LANES);
-    for (int64_t j = 0; j < g; ++j) {
-      const f32x16* qj = &w.qv[j * chunks];
-      f32x16 d = qj[0] * kc[0];
-      for (int64_t ch = 1; ch < chunks; ++ch) d = d + qj[ch] * kc[ch];
-      w.scores[j * Sp + i] = lane_sum(d) * c.scale;
-    }
+    for (int64_t j = 0; j < g; ++j)
+      w.scores[j * Sp + i] = lane_sum(lane_products(&w.qv[j * chunks], kc, chunks)) * c.scale;
   }
   const int64_t blocks = (n + LANES - 1) / LANES;
   for (int64_t j = 0; j < g; ++j) {  // unnormalised weights exp(score - max), and their sum
