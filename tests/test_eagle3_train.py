@@ -175,3 +175,10 @@ def test_cli_trains_an_eagle3_head_that_runs_lossless(tmp_path, tiny_chat_checkp
             assert spec.generate(prompt, method=method, max_new_tokens=12).token_ids == want
     # features dumped once with the fused layers; a dump without them is refused for this head
     assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "a", "--max-steps", "1")) == 2
+    # --init-head continues an EAGLE-3 head: with lr 0 its weights and vocabulary map stay the saved ones
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "c", "--head", "eagle3", "--max-steps", "1",
+                           "--lr", "0", "--features", str(tmp_path / "a" / "features"),
+                           "--init-head", str(tmp_path / "a" / "head"))) == 0
+    got = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=True)["head"]
+    ref = load_head(tmp_path / "a" / "head", spec.target.config).state_dict()
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref)

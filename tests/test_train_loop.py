@@ -423,3 +423,33 @@ def target_config_of(ckpt: Path):
     from eaglespec.api import EagleSpec
 
     return EagleSpec.load(str(ckpt), dtype="fp32").target.config
+
+
+def test_cli_init_head_starts_from_a_saved_head(tmp_path, tiny_chat_checkpoint, isolated_cache, capsys, monkeypatch):
+    """`--init-head DIR` trains the saved head further: with lr 0 the run's weights are the saved
+    head's exactly, and its first loss is the trained head's (below a fresh head's); a head of the
+    other kind is refused with a clear error."""
+    from eaglespec.draft import load_head
+    from eaglespec.train.cli import main
+
+    monkeypatch.delenv("EAGLESPEC_DEBUG", raising=False)
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    feats = ("--features", str(tmp_path / "features"))
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "a", *feats, "--max-steps", "12",
+                           "--warmup-steps", "2", "--draft-vocab", "40")) == 0
+    saved = tmp_path / "a" / "head"
+    capsys.readouterr()
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "b", *feats, "--max-steps", "1", "--lr", "0",
+                           "--init-head", str(saved))) == 0
+    assert f"starting from {saved} (eagle head, its draft vocabulary of 40 tokens" in capsys.readouterr().err
+    ref = load_head(saved, target_config_of(tiny_chat_checkpoint)).state_dict()
+    got = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["head"]
+    assert sorted(ref) == sorted(got)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    first_a, first_b = read_log(tmp_path / "a")[0]["loss"], read_log(tmp_path / "b")[0]["loss"]
+    assert first_b < 0.9 * first_a, (first_a, first_b)
+
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "c", *feats, "--max-steps", "1",
+                           "--init-head", str(saved), "--head", "eagle3")) == 2
+    assert "is an EAGLE-1/2 head; pass --head eagle to train it" in capsys.readouterr().err

@@ -65,6 +65,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "(EAGLE-3's recipe adds --ttt-steps 7)")
     p.add_argument("--target-layers", type=int, nargs=3, default=None, metavar=("LOW", "MID", "HIGH"),
                    help="eagle3: the target layers whose entering hidden states are fused (default 2, L/2, L-3)")
+    p.add_argument("--init-head", default=None, metavar="DIR",
+                   help="start from this head (ours or a released EAGLE-1/2/3 checkpoint) instead of a random "
+                        "one: fine-tune it on new data, or train it further; its kind, target layers and draft "
+                        "vocabulary are kept (--head must match; --draft-vocab is ignored)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     d = TrainConfig()
@@ -156,6 +160,8 @@ def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], ra
 
     torch.manual_seed(args.seed)
     cfg, device = target.config, target.device
+    if getattr(args, "init_head", None):
+        return start_head(args, target, samples, val_ids, rank)
     ids = None
     if args.draft_vocab and args.draft_vocab < cfg.vocab_size:
         dv = frequent_tokens([samples[i] for i in train_ids] + list(extra_vocab), args.draft_vocab, cfg.eos_token_ids)
@@ -181,6 +187,32 @@ def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], ra
         scale = target.norm(torch.ones(1, cfg.hidden_size, device=device, dtype=target.dtype)).float()[0]
         head.lm_head.weight.copy_(rows * scale)
     return head.to(device)
+
+
+def start_head(args, target, samples, val_ids: list[int], rank: int):
+    """`--init-head`: the saved head, in fp32 and trainable, after checking it is the kind asked for.
+    Its draft vocabulary and target layers come with it (they index its weights)."""
+    from ..config import ConfigError
+    from ..draft import load_head
+    from ..eagle3 import Eagle3Head, check_target_layers
+    from .vocab import coverage
+
+    head = load_head(args.init_head, target.config, dtype=torch.float32, device=target.device)
+    kind = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
+    if kind != args.head:
+        raise ConfigError(f"--init-head {args.init_head} is an {'EAGLE-3' if kind == 'eagle3' else 'EAGLE-1/2'} "
+                          f"head; pass --head {kind} to train it")
+    if kind == "eagle3" and args.target_layers and \
+            check_target_layers(args.target_layers, target.config.num_layers) != tuple(head.target_layers):
+        raise ConfigError(f"--init-head {args.init_head} reads target layers {list(head.target_layers)}, "
+                          f"not --target-layers {list(args.target_layers)}")
+    if rank == 0:
+        ids = head.to_target_ids(torch.arange(head.draft_vocab)) if kind == "eagle3" else head.vocab
+        vocab = "the full vocabulary" if ids is None else f"its draft vocabulary of {ids.numel():,} tokens" + (
+            f", covering {coverage(ids.cpu(), [samples[i] for i in val_ids]):.1%} of validation answer tokens"
+            if val_ids else "")
+        print(f"starting from {args.init_head} ({kind} head, {vocab})", file=sys.stderr)
+    return head.train().requires_grad_(True)
 
 
 def cmd_train(args) -> int:
