@@ -122,11 +122,11 @@ class OracleDrafter(Drafter):
         return tokens
 
 
-def sharp_random_head(cfg, seed: int = 0, scale: float = 0.3):
+def sharp_random_head(cfg, seed: int = 0, scale: float = 0.3, num_layers: int = 1):
     """A random head whose outputs are far from uniform, so EAGLE-2's values differ a lot between
     nodes and its dynamic trees come out deep and lopsided, not only wide (a 0.02-init head gives
     near-uniform draft distributions, hence breadth-first trees)."""
-    head = init_random_head(cfg, seed=seed)
+    head = init_random_head(cfg, seed=seed, num_layers=num_layers)
     g = torch.Generator().manual_seed(seed + 12345)
     with torch.no_grad():
         for p in head.parameters():

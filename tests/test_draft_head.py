@@ -26,10 +26,10 @@ QKV_BIAS_KEYS = {"layers.0.self_attn.q_proj.bias", "layers.0.self_attn.k_proj.bi
                  "layers.0.self_attn.v_proj.bias"}
 
 
-def random_head(cfg, seed=0, bias=True) -> DraftHead:
+def random_head(cfg, seed=0, bias=True, num_layers=1) -> DraftHead:
     """Every parameter random (biases and norm weights too, unlike init_random_head), so that a
     wrongly mapped tensor changes the output."""
-    head = DraftHead(cfg, bias=bias)
+    head = DraftHead(cfg, bias=bias, num_layers=num_layers)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():
@@ -128,6 +128,50 @@ def test_save_load_round_trip(tmp_path, arch, bias):
     meta = json.loads((tmp_path / "h" / "config.json").read_text())
     assert meta["num_hidden_layers"] == 1 and meta["bias"] is bias
     assert meta["eaglespec"]["note"] == "test"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_layer_head_round_trip_in_eagle_layout(tmp_path, arch):
+    """A 2-layer EAGLE-1/2 head: layer 1 is saved under EAGLE's names (with its input norm), loads
+    back as 2 layers (from the tensors, whatever config.json's layer count), and computes the same."""
+    cfg = tiny_config(arch=arch, vocab=96)
+    head = random_head(cfg, seed=3, num_layers=2)
+    one = random_head(cfg, seed=3)
+    assert not torch.allclose(head_output(head), head_output(one))  # layer 1 is used
+    save_head(head, tmp_path / "h")
+    with safe_open(str(tmp_path / "h" / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    layer1 = {k.replace("layers.0.", "layers.1.") for k in keys if k.startswith("layers.0.")}
+    assert layer1 | {"layers.1.input_layernorm.weight"} <= keys
+    assert "layers.0.input_layernorm.weight" not in keys
+    meta = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert meta["num_hidden_layers"] == 2
+    meta["num_hidden_layers"] = 30  # a released config copied from its target
+    (tmp_path / "h" / "config.json").write_text(json.dumps(meta))
+    loaded = load_head(tmp_path / "h", cfg)
+    assert loaded.cache_layers == 2 and loaded.new_cache(4).k.shape[0] == 2
+    assert torch.equal(head_output(loaded), head_output(head))
+    for (n1, p1), (n2, p2) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    with pytest.raises(ConfigError, match="at least one layer"):
+        DraftHead(cfg, num_layers=0)
+
+
+def test_two_layer_head_cache_equals_one_pass():
+    """Drafting's cached calls (a prefix, then one pair at a time) give what one causal pass over
+    all pairs gives, in every layer's cache slot: layer 1 reads and writes its own cache layer."""
+    cfg = tiny_config(vocab=96)
+    head = random_head(cfg, seed=4, num_layers=3)
+    g = torch.Generator().manual_seed(0)
+    e, f = torch.randn(1, 7, cfg.hidden_size, generator=g), torch.randn(1, 7, cfg.hidden_size, generator=g)
+    pos = torch.arange(7)[None]
+    with torch.inference_mode():
+        full = head(e, f, pos, None)
+        cache = head.new_cache(8)
+        parts = [head(e[:, :4], f[:, :4], pos[:, :4], cache)]
+        parts += [head(e[:, i:i + 1], f[:, i:i + 1], pos[:, i:i + 1], cache) for i in range(4, 7)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 7 and bool(cache.k[2, :, :, :7].abs().sum() > 0)
 
 
 @pytest.mark.parametrize("arch, bias, expected", [

@@ -58,13 +58,15 @@ def test_int8_head_shares_weights_and_leaves_the_head_alone():
     assert q.fc.weight is head.fc.weight and q.layer.mlp_norm is head.layer.mlp_norm
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle-2-layers"])
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])
 def test_int8_drafting_changes_nothing_but_the_drafts(method, kind):
-    """Greedy output with int8 drafting equals vanilla and the float draft's (both head kinds)."""
+    """Greedy output with int8 drafting equals vanilla and the float draft's (both head kinds, and
+    a two-layer EAGLE-1/2 head)."""
     cfg = tiny_config(vocab=96)
     target = tiny_model(cfg, seed=5)
-    head = init_random_head(cfg, seed=9, kind=kind, draft_vocab=40 if kind == "eagle3" else None)
+    head = init_random_head(cfg, seed=9, kind="eagle3" if kind == "eagle3" else "eagle", draft_vocab=40 if kind == "eagle3" else None,
+                            num_layers=2 if kind == "eagle-2-layers" else 1)
     tree = TreeConfig(method, total_tokens=12, depth=4, top_k=3)
     prompts = [[3, 4, 5], list(range(10, 30))]
     with single_thread():
@@ -77,6 +79,8 @@ def test_int8_drafting_changes_nothing_but_the_drafts(method, kind):
                 lane = next(iter(eng.lanes.values()))
                 assert isinstance(lane.proposer.head.fc, Int8Linear)
                 assert isinstance(lane.proposer.head.layer.attn.wqkv, Int8Linear)
+                if kind == "eagle-2-layers":
+                    assert isinstance(lane.proposer.head.more[0].mlp.w_down, Int8Linear)
     assert outs["int8"] == outs["vanilla"] == outs["float"]
 
 

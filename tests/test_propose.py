@@ -47,7 +47,7 @@ class Rows:
         self.target, self.cfg = target, tree_cfg
         self.proposer = Proposer(head, target, tree_cfg)
         c = head.config
-        self.cache = RowKVCache(1, c.num_kv_heads, c.head_dim, CAPACITY, len(prompts))
+        self.cache = RowKVCache(head.cache_layers, c.num_kv_heads, c.head_dim, CAPACITY, len(prompts))
         self.drafters = [Drafter(head, target) for _ in prompts]
         self.states, self.roots = [], []
         tokens, feats = [], []
@@ -139,14 +139,21 @@ CASES = [
 
 PEAKED = [("eagle2", dict(total_tokens=14, depth=6, top_k=4), "peaked"),  # exact ties at the rerank's cut
           ("eagle2", dict(total_tokens=12, depth=4, top_k=8), "peaked")]
+DEEP = [("eagle2", dict(total_tokens=16, depth=5, top_k=4), "two-layer"), ("eagle", dict(), "two-layer")]
 
 
-@pytest.mark.parametrize("method, kw, reduced", CASES + PEAKED)
-def test_matches_drafter_over_two_steps(models, peaked, method, kw, reduced):
+@pytest.fixture(scope="module")
+def two_layer(models):
+    """A head with two stacked decoder layers (two layers of draft cache)."""
+    return sharp_random_head(models[0].config, seed=4, scale=0.2, num_layers=2)
+
+
+@pytest.mark.parametrize("method, kw, reduced", CASES + PEAKED + DEEP)
+def test_matches_drafter_over_two_steps(models, peaked, two_layer, method, kw, reduced):
     target, head, small = models
     cfg = TreeConfig(method, **kw)
     with single_thread(), torch.inference_mode():
-        rows = Rows(target, {False: head, True: small, "peaked": peaked}[reduced], cfg, PROMPTS)
+        rows = Rows(target, {False: head, True: small, "peaked": peaked, "two-layer": two_layer}[reduced], cfg, PROMPTS)
         tree = rows.propose()
         refs = rows.reference()
         assert_same_trees(tree, refs)

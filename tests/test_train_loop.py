@@ -186,9 +186,9 @@ def tiny_setup(tmp_path_factory):
     return target, store, list(range(20)), list(range(20, 24))
 
 
-def fresh_head(target, seed: int = 0) -> DraftHead:
+def fresh_head(target, seed: int = 0, num_layers: int = 1) -> DraftHead:
     torch.manual_seed(seed)
-    return init_head_(DraftHead(target.config), seed)
+    return init_head_(DraftHead(target.config, num_layers=num_layers), seed)
 
 
 def clean_loss(head, target, batch) -> float:
@@ -453,3 +453,28 @@ def test_cli_init_head_starts_from_a_saved_head(tmp_path, tiny_chat_checkpoint, 
     assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "c", *feats, "--max-steps", "1",
                            "--init-head", str(saved), "--head", "eagle3")) == 2
     assert "is an EAGLE-1/2 head; pass --head eagle to train it" in capsys.readouterr().err
+
+
+def test_cli_trains_a_two_layer_head(tmp_path, tiny_chat_checkpoint, isolated_cache, capsys, monkeypatch):
+    """`--head-layers 2` with the training-time test: the loss falls, the saved head is two layers
+    in EAGLE's layout and decodes identically to vanilla; the flag is refused for EAGLE-3."""
+    from eaglespec.api import EagleSpec
+    from eaglespec.draft import load_head
+    from eaglespec.train.cli import main
+
+    monkeypatch.delenv("EAGLESPEC_DEBUG", raising=False)
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "a", "--head-layers", "2", "--ttt-steps", "2",
+                           "--max-steps", "12", "--warmup-steps", "2")) == 0
+    losses = [r["loss"] for r in read_log(tmp_path / "a")]
+    assert sum(losses[-3:]) < 0.9 * sum(losses[:3]), losses
+    spec = EagleSpec.load(str(tiny_chat_checkpoint), dtype="fp32")
+    assert load_head(tmp_path / "a" / "head", spec.target.config).cache_layers == 2
+    spec.set_draft(str(tmp_path / "a" / "head"))
+    for prompt in ("the cat sat", "red blue green one"):
+        want = spec.generate(prompt, max_new_tokens=12).token_ids
+        assert spec.generate(prompt, method="eagle2", max_new_tokens=12).token_ids == want
+    capsys.readouterr()
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "b", "--head", "eagle3", "--head-layers", "2",
+                           "--max-steps", "1")) == 2
+    assert "--head-layers applies to a new EAGLE-1/2 head" in capsys.readouterr().err

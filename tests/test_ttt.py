@@ -38,9 +38,9 @@ def odd_batch(store: SampleStore, device) -> Batch:
     return replace(batch, loss_mask=mask)
 
 
-def trained_head(target, store: SampleStore, tmp: Path):
+def trained_head(target, store: SampleStore, tmp: Path, num_layers: int = 1):
     """A head a few steps away from its init, so its outputs are not all near zero."""
-    head = fresh_head(target)
+    head = fresh_head(target, num_layers=num_layers)
     cfg = TrainConfig(lr=3e-3, warmup_steps=0, max_steps=3, batch_tokens=10_000, eval_every=0, checkpoint_every=0)
     train(head, target, store, list(range(20)), [], tmp, cfg, progress=False)
     return head.eval()
@@ -79,10 +79,10 @@ def reference_loss(head, target, batch: Batch, steps: int, decay: float, w_cls: 
     return total
 
 
-@pytest.mark.parametrize("steps,decay,w_reg", [(3, 0.8, 1.0), (4, 0.5, 0.0)])
-def test_unrolled_loss_equals_explicit_chains(tmp_path, ttt_setup, steps, decay, w_reg):
+@pytest.mark.parametrize("steps,decay,w_reg,layers", [(3, 0.8, 1.0, 1), (4, 0.5, 0.0, 1), (3, 0.8, 1.0, 2)])
+def test_unrolled_loss_equals_explicit_chains(tmp_path, ttt_setup, steps, decay, w_reg, layers):
     target, _, store = ttt_setup
-    head = trained_head(target, store, tmp_path)
+    head = trained_head(target, store, tmp_path, layers)
     batch = odd_batch(store, target.device)
     with torch.no_grad():
         got = eagle_loss(head, target, batch, w_cls=0.1, noise=0.0, ttt_steps=steps, decay=decay, w_reg=w_reg)

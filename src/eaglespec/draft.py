@@ -47,17 +47,23 @@ DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 class DraftHead(nn.Module):
-    """The trainable part of EAGLE-1/2's draft: fc + one decoder layer (~1 target layer)."""
+    """The trainable part of EAGLE-1/2's draft: fc + one decoder layer (~1 target layer), or
+    `num_layers` stacked ones (EAGLE's released code allows it: layers i >= 1 keep their input norm)."""
 
-    def __init__(self, cfg: ModelConfig, bias: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, bias: bool = True, num_layers: int = 1) -> None:
         super().__init__()
+        if num_layers < 1:
+            raise ConfigError(f"a draft head needs at least one layer, got {num_layers}")
         # A dense, full-attention Llama block whatever the target (MoE, Gemma 3, Qwen3).
         cfg = cfg.head_config()
         self.config = cfg
         self.bias = bias
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=bias)
         self.layer = DecoderLayer(cfg, input_norm=False)
-        self.layer.attn.exact_decode = False  # proposals need no bitwise reproducibility across shapes
+        # Layers 1.. (empty for the usual one-layer head, whose parameter names stay as they were).
+        self.more = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers - 1))
+        for lay in self.layers:
+            lay.attn.exact_decode = False  # proposals need no bitwise reproducibility across shapes
         self.rotary = Rotary(cfg)
         # [Vd] target ids the draft may propose (sorted), or None for the full vocabulary.
         self.register_buffer("vocab", None)
@@ -78,9 +84,18 @@ class DraftHead(nn.Module):
         """Indices into lm_weight's rows -> target token ids."""
         return idx if self.vocab is None else self.vocab[idx]
 
+    @property
+    def layers(self) -> list[nn.Module]:
+        return [self.layer, *self.more]
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers of KV cache a drafting run needs."""
+        return 1 + len(self.more)
+
     def new_cache(self, max_len: int, batch_size: int = 1) -> KVCache:
         c, w = self.config, self.fc.weight
-        return KVCache(1, c.num_kv_heads, c.head_dim, max_len, batch_size, w.dtype, w.device)
+        return KVCache(self.cache_layers, c.num_kv_heads, c.head_dim, max_len, batch_size, w.dtype, w.device)
 
     # --- the head protocol (shared with eagle3.Eagle3Head) -------------------------------------
     kind = "eagle"
@@ -116,7 +131,8 @@ class DraftHead(nn.Module):
             mask = mask[:, None]
         x = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
-        x = self.layer(x, cos, sin, cache, 0, mask)
+        for i, lay in enumerate(self.layers):
+            x = lay(x, cos, sin, cache, i, mask)
         if cache is not None:
             cache.advance(t)
         return x
@@ -142,15 +158,15 @@ Head = DraftHead | Eagle3Head
 
 def init_random_head(cfg: ModelConfig, seed: int = 0, bias: bool = True, dtype: torch.dtype = torch.float32,
                      device: str | torch.device = "cpu", kind: str = "eagle", draft_vocab: int | None = None,
-                     target_layers: tuple[int, ...] | None = None) -> Head:
+                     target_layers: tuple[int, ...] | None = None, num_layers: int = 1) -> Head:
     """A seeded random head (acceptance near zero; output must still be identical).
 
     kind "eagle" (EAGLE-1/2; `bias`) or "eagle3" (`draft_vocab` random target ids, all when None;
-    `target_layers` default (2, L//2, L-3))."""
+    `target_layers` default (2, L//2, L-3)); `num_layers` stacks EAGLE-1/2 decoder layers."""
     if kind == "eagle3":
         head = init_eagle3_head(cfg, seed, draft_vocab, target_layers)
     elif kind == "eagle":
-        head = init_head_(DraftHead(cfg, bias), seed)
+        head = init_head_(DraftHead(cfg, bias, num_layers), seed)
     else:
         raise ValueError(f"head kind must be 'eagle' or 'eagle3', got {kind!r}")
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -159,27 +175,30 @@ def init_random_head(cfg: ModelConfig, seed: int = 0, bias: bool = True, dtype: 
 # --- checkpoints: EAGLE's released layout is also ours ------------------------------------
 def _eagle_state(head: DraftHead) -> dict[str, torch.Tensor]:
     c = head.config
-    q, k, v = head.layer.attn.wqkv.weight.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                                                 c.num_kv_heads * c.head_dim])
-    gate, up = head.layer.mlp.w_gate_up.weight.split(c.intermediate_size)
-    sd = {
-        "fc.weight": head.fc.weight,
-        "layers.0.self_attn.q_proj.weight": q,
-        "layers.0.self_attn.k_proj.weight": k,
-        "layers.0.self_attn.v_proj.weight": v,
-        "layers.0.self_attn.o_proj.weight": head.layer.attn.wo.weight,
-        "layers.0.mlp.gate_proj.weight": gate,
-        "layers.0.mlp.up_proj.weight": up,
-        "layers.0.mlp.down_proj.weight": head.layer.mlp.w_down.weight,
-        "layers.0.post_attention_layernorm.weight": head.layer.mlp_norm.weight,
-    }
+    qkv = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+    sd = {"fc.weight": head.fc.weight}
     if head.bias:
         sd["fc.bias"] = head.fc.bias
-    if c.qkv_bias:
-        qb, kb, vb = head.layer.attn.wqkv.bias.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                                                      c.num_kv_heads * c.head_dim])
-        sd.update({"layers.0.self_attn.q_proj.bias": qb, "layers.0.self_attn.k_proj.bias": kb,
-                   "layers.0.self_attn.v_proj.bias": vb})
+    for i, lay in enumerate(head.layers):
+        p = f"layers.{i}."
+        q, k, v = lay.attn.wqkv.weight.split(qkv)
+        gate, up = lay.mlp.w_gate_up.weight.split(c.intermediate_size)
+        sd.update({
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": lay.attn.wo.weight,
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": lay.mlp.w_down.weight,
+            p + "post_attention_layernorm.weight": lay.mlp_norm.weight,
+        })
+        if i > 0:  # layer 0 reads fc's output directly (no input norm), as in EAGLE
+            sd[p + "input_layernorm.weight"] = lay.attn_norm.weight
+        if c.qkv_bias:
+            qb, kb, vb = lay.attn.wqkv.bias.split(qkv)
+            sd.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
+                       p + "self_attn.v_proj.bias": vb})
     return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
@@ -202,7 +221,7 @@ def save_head(head: Head, path: str | Path, dtype: torch.dtype | None = None, ex
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}
     cfg = head.config.to_hf()
-    cfg.update({"num_hidden_layers": 1, "bias": head.bias, "qkv_bias": head.config.qkv_bias,
+    cfg.update({"num_hidden_layers": head.cache_layers, "bias": head.bias, "qkv_bias": head.config.qkv_bias,
                 "eaglespec": {"format": HEAD_FORMAT, **(extra or {})}})
     atomic_save_safetensors(sd, path / "model.safetensors", {"format": "pt"})
     # Kept out of model.safetensors so that file stays exactly EAGLE-1/2's layout; other
@@ -258,21 +277,28 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.
     if sd is None:
         sd = _read_tensors(path)
     bias = "fc.bias" in sd
-    head = DraftHead(hcfg, bias=bias)
+    # The layers the tensors hold (config.json's num_hidden_layers may be the target's when a
+    # released head's config was copied from it).
+    n_layers = 1 + max((int(k.split(".")[1]) for k in sd if k.startswith("layers.") and k.split(".")[1].isdigit()),
+                       default=0)
+    head = DraftHead(hcfg, bias=bias, num_layers=n_layers)
     c = head.config
     try:
         with torch.no_grad():
             head.fc.weight.copy_(sd["fc.weight"])
             if bias:
                 head.fc.bias.copy_(sd["fc.bias"])
-            p = "layers.0."
-            head.layer.attn.wqkv.weight.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
-            if c.qkv_bias:
-                head.layer.attn.wqkv.bias.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
-            head.layer.attn.wo.weight.copy_(sd[p + "self_attn.o_proj.weight"])
-            head.layer.mlp.w_gate_up.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
-            head.layer.mlp.w_down.weight.copy_(sd[p + "mlp.down_proj.weight"])
-            head.layer.mlp_norm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+            for i, lay in enumerate(head.layers):
+                p = f"layers.{i}."
+                lay.attn.wqkv.weight.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+                if c.qkv_bias:
+                    lay.attn.wqkv.bias.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+                lay.attn.wo.weight.copy_(sd[p + "self_attn.o_proj.weight"])
+                lay.mlp.w_gate_up.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+                lay.mlp.w_down.weight.copy_(sd[p + "mlp.down_proj.weight"])
+                lay.mlp_norm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+                if i > 0:
+                    lay.attn_norm.weight.copy_(sd[p + "input_layernorm.weight"])
     except KeyError as e:
         raise ConfigError(f"draft head {path}: missing tensor {e}") from None
     except RuntimeError as e:

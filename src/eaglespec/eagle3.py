@@ -95,6 +95,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(cfg.vocab_size) < draft_vocab)
 
+    cache_layers = 1  # one midlayer
+
     @property
     def draft_vocab(self) -> int:
         return self.lm_head.out_features

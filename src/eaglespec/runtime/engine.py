@@ -111,7 +111,7 @@ class Lane:
             dc = rh = None
             if self.proposer is not None:
                 hc, w = self.proposer.head.config, self.proposer.head.fc.weight
-                dc = RowKVCache(1, hc.num_kv_heads, hc.head_dim, cap + draft_extra, b, w.dtype, dev)
+                dc = RowKVCache(self.proposer.head.cache_layers, hc.num_kv_heads, hc.head_dim, cap + draft_extra, b, w.dtype, dev)
                 rh = torch.zeros(b, hc.hidden_size, dtype=w.dtype, device=dev)
             zeros = torch.zeros(b, dtype=torch.long, device=dev)
             self._idle = torch.ones(b, dtype=torch.bool, device=dev)  # [B] rows with no request

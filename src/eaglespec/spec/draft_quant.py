@@ -47,11 +47,16 @@ def _swap(module: nn.Module, names: list[str]) -> nn.Module:
 
 def int8_head(head: Head) -> Head:
     """The head with int8 products, sharing every original tensor (the head itself is untouched)."""
-    layer = _swap(head.layer, [])
-    layer._modules["attn"] = _swap(head.layer.attn, ["wqkv", "wo"])
-    layer._modules["mlp"] = _swap(head.layer.mlp, ["w_gate_up", "w_down"])
+    def swap_layer(lay: nn.Module) -> nn.Module:
+        out = _swap(lay, [])
+        out._modules["attn"] = _swap(lay.attn, ["wqkv", "wo"])
+        out._modules["mlp"] = _swap(lay.mlp, ["w_gate_up", "w_down"])
+        return out
+
     out = _swap(head, ["fc"])
-    out._modules["layer"] = layer
+    out._modules["layer"] = swap_layer(head.layer)
+    if "more" in head._modules:  # an EAGLE-1/2 head's layers 1..
+        out._modules["more"] = nn.ModuleList(swap_layer(lay) for lay in head.more)
     return out
 
 

@@ -63,6 +63,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="eagle: EAGLE-1/2 head (the target's top feature, its LM head); eagle3: three fused "
                         "target layers, its own LM head over --draft-vocab, no feature regression "
                         "(EAGLE-3's recipe adds --ttt-steps 7)")
+    p.add_argument("--head-layers", type=int, default=1, metavar="N",
+                   help="eagle: decoder layers in the head (EAGLE uses 1; more layers draft better and cost "
+                        "more per draft step)")
     p.add_argument("--target-layers", type=int, nargs=3, default=None, metavar=("LOW", "MID", "HIGH"),
                    help="eagle3: the target layers whose entering hidden states are fused (default 2, L/2, L-3)")
     p.add_argument("--init-head", default=None, metavar="DIR",
@@ -154,12 +157,16 @@ def vocab_samples(args, tokenizer) -> list:
 def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], rank: int, extra_vocab=()):
     """The head to train, seeded: EAGLE-1/2 (`--head eagle`) or EAGLE-3, with its draft vocabulary
     (the --draft-vocab most frequent answer tokens of the training split)."""
+    from ..config import ConfigError
     from ..draft import DraftHead, init_head_
     from ..eagle3 import check_target_layers, default_target_layers, init_eagle3_head
     from .vocab import coverage, frequent_tokens
 
     torch.manual_seed(args.seed)
     cfg, device = target.config, target.device
+    if args.head_layers != 1 and (args.head == "eagle3" or getattr(args, "init_head", None)):
+        raise ConfigError("--head-layers applies to a new EAGLE-1/2 head (an EAGLE-3 head has one midlayer; "
+                          "--init-head keeps its head's layers)")
     if getattr(args, "init_head", None):
         return start_head(args, target, samples, val_ids, rank)
     ids = None
@@ -171,7 +178,7 @@ def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], ra
             print(f"draft vocabulary: {ids.numel():,} of {cfg.vocab_size:,} tokens, covering "
                   f"{dv.train_coverage:.1%} of training and {val_cov:.1%} of validation answer tokens", file=sys.stderr)
     if args.head == "eagle":
-        head = init_head_(DraftHead(cfg, bias=args.bias), args.seed)
+        head = init_head_(DraftHead(cfg, bias=args.bias, num_layers=args.head_layers), args.seed)
         if ids is not None:
             head.set_vocab(ids)
         return head.to(device)

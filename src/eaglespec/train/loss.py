@@ -196,7 +196,7 @@ def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, f
     # so the LM head is applied in the head's dtype.
     want = F.linear(feats[1:], target.lm_head.weight.to(feats.dtype)).argmax(-1)
     w_draft = head.lm_weight(target.lm_head.weight).to(feats.dtype)
-    cache = KVCache(1, head.config.num_kv_heads, head.config.head_dim, t * steps, 1, emb.dtype, dev)
+    cache = KVCache(head.cache_layers, head.config.num_kv_heads, head.config.head_dim, t * steps, 1, emb.dtype, dev)
     pos = torch.arange(t, device=dev)[None]
     p = torch.arange(t, device=dev)
     hits, totals = [], []
