@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eaglespec.draft import DraftHead
 from eaglespec.eagle3 import Eagle3Head, init_eagle3_head
 from eaglespec.kv_cache import KVCache
 from eaglespec.train.features import shard_path
@@ -149,7 +150,8 @@ def test_n_alpha_matches_greedy_chain_drafting(tmp_path, setup):
     assert evaluate(head, target, store, [7], steps=3)["n_alpha"][0] == hits[0] / totals[0]
 
 
-def test_cli_trains_an_eagle3_head_that_runs_lossless(tmp_path, tiny_chat_checkpoint, isolated_cache, monkeypatch):
+def test_cli_trains_an_eagle3_head_that_runs_lossless(tmp_path, tiny_chat_checkpoint, isolated_cache, monkeypatch,
+                                                       capsys):
     from eaglespec.api import EagleSpec
     from eaglespec.draft import load_head
     from eaglespec.train.cli import main
@@ -173,8 +175,22 @@ def test_cli_trains_an_eagle3_head_that_runs_lossless(tmp_path, tiny_chat_checkp
         want = spec.generate(prompt, max_new_tokens=12).token_ids
         for method in ("eagle", "eagle2"):
             assert spec.generate(prompt, method=method, max_new_tokens=12).token_ids == want
-    # features dumped once with the fused layers; a dump without them is refused for this head
-    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "a", "--max-steps", "1")) == 2
+    # a rerun into a finished run's folder is refused (nothing overwritten) unless it resumes
+    before = (tmp_path / "a" / "checkpoint.pt").read_bytes()
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "a", *common, "--max-steps", "1")) == 2
+    assert (tmp_path / "a" / "checkpoint.pt").read_bytes() == before
+    # the store made for this head also serves an EAGLE-1/2 head: reused, not redumped or refused
+    e1 = tmp_path / "e1"
+    assert main(train_argv(tiny_chat_checkpoint, data, e1, "--max-steps", "1",
+                           "--features", str(tmp_path / "a" / "features"))) == 0
+    assert "(5 already done)" in capsys.readouterr().err
+    assert isinstance(load_head(e1 / "head", spec.target.config), DraftHead)
+    # ... while a store without the fused layers is refused for an EAGLE-3 head
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "e2", "--max-steps", "1")) == 0
+    capsys.readouterr()
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "d", *common, "--max-steps", "1",
+                           "--features", str(tmp_path / "e2" / "features"))) == 2
+    assert "hidden_layers" in capsys.readouterr().err
     # --init-head continues an EAGLE-3 head: with lr 0 its weights and vocabulary map stay the saved ones
     assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "c", "--head", "eagle3", "--max-steps", "1",
                            "--lr", "0", "--features", str(tmp_path / "a" / "features"),

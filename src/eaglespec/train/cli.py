@@ -224,16 +224,19 @@ def start_head(args, target, samples, val_ids: list[int], rank: int):
 
 def cmd_train(args) -> int:
     from ..api import EagleSpec, set_threads
-    from .features import dump_features, shard_path, write_manifest
+    from .features import dump_features, layers_to_dump, shard_path, write_manifest
     from .loop import SampleStore, train
 
     set_threads()
+    out = Path(args.out)
+    if not args.resume and (out / "checkpoint.pt").is_file():  # before any work: a rerun must not erase a run
+        raise ValueError(f"{out} holds a training run (checkpoint.pt): pass --resume to continue it, or another "
+                         "--out to start a new one (its features can be shared with --features)")
     rank, world = init_distributed(args.device)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device.startswith("cuda") and world > 1 else args.device
     convs = usable_conversations(args, rank)  # bad data is refused before the model loads
     engine = EagleSpec.load(args.model, dtype=args.dtype, device=device, quant=args.quant)
     target = engine.target
-    out = Path(args.out)
     samples, train_ids, val_ids = build_samples(engine, args, convs, rank)  # before features/ is written
     n_tok = sum(len(s) for s in samples)
     if rank == 0:
@@ -247,14 +250,15 @@ def cmd_train(args) -> int:
 
         store = OnlineStore(target, samples, layers)
     else:
+        dumped = layers_to_dump(feat_dir, layers)
         if rank == 0:
             write_manifest(feat_dir, {"model": engine.source.name, "dtype": str(target.dtype), "quant": target.quant,
                                       "max_length": args.max_length, "samples": len(samples), "tokens": n_tok,
                                       "shard_size": args.shard_size, "data": str(args.data or "sharegpt"),
-                                      "regenerate": bool(args.regenerate), "hidden_layers": list(layers)})
+                                      "regenerate": bool(args.regenerate), "hidden_layers": list(dumped)})
         if world > 1:
             torch.distributed.barrier()
-        rep = dump_features(target, samples, feat_dir, args.shard_size, rank, world, layers,
+        rep = dump_features(target, samples, feat_dir, args.shard_size, rank, world, dumped,
                             progress=not args.no_progress)
         if world > 1:
             torch.distributed.barrier()

@@ -11,6 +11,7 @@ holds exactly the samples it should (tokens, masks, lengths): a dump for a grown
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,10 +150,27 @@ def dump_features(target: Transformer, samples: list[TokenizedSample], out: Path
                       size, total)
 
 
-def load_shard(path: Path) -> Shard:
-    from safetensors.torch import load_file
+def load_shard(path: Path, hidden_layers: tuple[int, ...] | None = None) -> Shard:
+    """Read a shard; of its hidden states only `hidden_layers` (None: all), so a head that reads
+    fewer layers than the store holds does not pay memory for the rest."""
+    from safetensors import safe_open
 
-    d = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        names = [k for k in f.keys() if not k.startswith("hidden_")
+                 or hidden_layers is None or int(k.split("_")[1]) in hidden_layers]
+        d = {k: f.get_tensor(k) for k in names}
     hidden = {int(k.split("_")[1]): v for k, v in d.items() if k.startswith("hidden_")}
     return Shard(d["input_ids"].long(), d["loss_mask"].bool(), d["features"], d["offsets"].tolist(), hidden)
+
+
+def layers_to_dump(feat_dir: Path, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The hidden layers a dump into `feat_dir` writes: the head's, or those the store already
+    holds when they include the head's (a store made for an EAGLE-3 head also serves an EAGLE-1/2
+    head, or one fusing fewer layers, instead of being refused as made with other settings)."""
+    manifest = feat_dir / MANIFEST
+    if manifest.is_file():
+        held = tuple(json.loads(manifest.read_text()).get("hidden_layers", []))
+        if set(layers) <= set(held):
+            return held
+    return layers
 

@@ -67,7 +67,7 @@ class SampleStore:
     input_layers: the dumped hidden layers an EAGLE-3 head reads, concatenated as `inputs`."""
 
     def __init__(self, shard_files: list[Path], input_layers: tuple[int, ...] = ()) -> None:
-        self.shards: list[Shard] = [load_shard(p) for p in shard_files]
+        self.shards: list[Shard] = [load_shard(p, tuple(input_layers)) for p in shard_files]
         self.index = [(s, j) for s, sh in enumerate(self.shards) for j in range(len(sh))]
         self.input_layers = tuple(input_layers)
         missing = [k for k in self.input_layers for sh in self.shards[:1] if k not in sh.hidden]
