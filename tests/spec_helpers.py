@@ -346,8 +346,10 @@ class TrackingProposer(Proposer):
         self.proposals = 0
         self.on_propose = None
 
-    def start_row(self, row: int, first_token: int) -> None:
-        self.contexts[row] = [first_token]
+    def start_row(self, row: int, held: list[int]) -> None:
+        """A request enters `row`, whose draft cache already holds the pairs before held[-1] (a
+        reused prefix; held = the prompt's first token alone when nothing is reused)."""
+        self.contexts[row] = list(held)
 
     def end_row(self, row: int) -> None:
         self.contexts.pop(row, None)
@@ -480,15 +482,16 @@ class RecordingLane(Lane):
         self.log: list[StepRecord] = []
         self.steps = 0
 
-    def admit(self, req: Request) -> None:
+    def _pick_row(self, prompt: list[int]) -> tuple[int, int]:
+        row, reuse = super()._pick_row(prompt)
         if isinstance(self.proposer, TrackingProposer):
-            self.proposer.start_row(self.requests.index(None), req.prompt_ids[0])
-        super().admit(req)
+            self.proposer.start_row(row, prompt[: reuse + 1])
+        return row, reuse
 
-    def retire(self, row: int) -> None:
+    def retire(self, row: int, keep: bool = True) -> None:
         if isinstance(self.proposer, TrackingProposer):
             self.proposer.end_row(row)
-        super().retire(row)
+        super().retire(row, keep)
 
     def step(self) -> None:
         live = {r: self.requests[r] for r in self.active}

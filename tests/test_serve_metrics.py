@@ -38,6 +38,8 @@ def test_metrics_match_requests(tiny_chat_checkpoint_256):
 
         assert value("eaglespec:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
         assert value("eaglespec:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+        assert value("eaglespec:prompt_tokens_cached_total") == sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                                    for u in usages)
         assert value("eaglespec:requests_total", ("status", "finished")) == 6
         assert value("eaglespec:requests_total", ("status", "rejected")) == 1
         spec = [r for r in reports if r["method"] != "vanilla"]

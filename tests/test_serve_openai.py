@@ -114,3 +114,17 @@ def test_stream_extras_usage_models_health(server):
     assert health == {"status": "ok", "running": 0, "waiting": 0}
     page = requests.get(server.url + "/", timeout=5)
     assert page.status_code == 200 and "eaglespec" in page.text
+
+
+def test_next_chat_turn_reuses_the_history(server):
+    """A chat's second turn (its history, then a new message) is admitted into the row that holds
+    the first turn and prefills only what is new; usage says how much was reused."""
+    client = server.client()
+    messages = [{"role": "user", "content": "tell me about the moon"}]
+    first = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and the sun?"}]
+    second = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens

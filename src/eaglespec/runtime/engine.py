@@ -5,6 +5,12 @@ Requests that share a speculation setting (method and tree) run in one `Lane`: a
 Each request keeps its own sampling parameters, seed, stop rules and statistics, and its output
 does not depend on which other requests share its lane (random numbers are drawn per request).
 
+A finished request leaves its tokens' KV in its row. A new request whose prompt starts with them
+(the next turn of a chat: the history, then the new message) is admitted into that row and
+prefills only the rest (`Lane.admit`, `GenerationStats.cached_tokens`). A free row stepped as
+padding, while rows above it run, loses what it kept. Off by default in the bf16 exact mode
+(see `Engine.__init__`).
+
 There is no background thread: whoever waits for output drives the engine (`Engine.step` under
 one lock), so several streams in one thread, or in several threads, interleave safely and every
 step advances all of them. A server can drive it from a loop of its own.
@@ -26,6 +32,7 @@ from ..config import SamplingConfig, TreeConfig, default_tree
 from ..draft import Head
 from ..kv_cache import RowKVCache
 from ..model import Transformer
+from ..quant import greedy_exact
 from ..spec.propose import Proposer
 from ..spec.sampling import RowSampling
 from ..spec.draft_quant import int8_supported
@@ -73,6 +80,14 @@ class Request:
         return ("eagle2", t.total_tokens, t.depth, t.top_k)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class Lane:
     """Up to `max_batch` rows with one speculation setting, stepped together."""
 
@@ -83,6 +98,11 @@ class Lane:
         self.requests: list[Request | None] = [None] * max_batch
         self.stops: list[StopChecker | None] = [None] * max_batch
         self.lengths: list[int] = [0] * max_batch  # host mirror of committed target lengths
+        # Per running row: its tokens, committed ones then the root (prompt + every token a step
+        # kept, including those a stop rule cut from the output). Per free row: what its caches
+        # still hold (target slots 0..len-2, draft pairs 0..len-2), or None.
+        self.tokens: list[list[int] | None] = [None] * max_batch
+        self.kept: list[list[int] | None] = [None] * max_batch
         self.state: RowState | None = None
         self._sampling: tuple[tuple, RowSampling] | None = None  # cached per set of rows
         self.graphs = GraphedSteps(self.step_fn) if engine.cuda_graphs else None
@@ -123,21 +143,48 @@ class Lane:
             if self.graphs is not None:
                 self.graphs.reset()  # captured against the old buffers
 
+    def _pick_row(self, prompt: list[int]) -> tuple[int, int]:
+        """A free row for `prompt` and how many of its positions that row's caches already hold.
+
+        The row that kept the longest common prefix wins; among equals, the one that kept least
+        (so a new chat, which shares only the system prompt with every row, does not take the row
+        a longer conversation is about to come back to)."""
+        best, best_key, best_reuse = -1, None, 0
+        for row, req in enumerate(self.requests):
+            if req is not None:
+                continue
+            kept = self.kept[row] if self.engine.reuse_prefix else None
+            common = 0 if kept is None else _common_prefix(kept, prompt)
+            # Target slots hold kept[:-1] (the root was not run); draft pair t needs prompt[t + 1]
+            # to match too, so a speculative row reuses one position less. One prompt token is
+            # always run, for the first token's logits.
+            reuse = min(common, len(kept) - 1) if kept else 0
+            if self.proposer is not None:
+                reuse = min(reuse, common - 1)
+            reuse = max(0, min(reuse, len(prompt) - 1))
+            key = (reuse, -(len(kept) if kept else 0))
+            if best_key is None or key > best_key:
+                best, best_key, best_reuse = row, key, reuse
+        return best, best_reuse
+
     def admit(self, req: Request) -> None:
         """Prefill `req` into a free row; its first token is pending when this returns."""
-        row = self.requests.index(None)
+        row, reuse = self._pick_row(req.prompt_ids)
+        self.kept[row] = None
         self._ensure(self._need(req))
         e = self.engine
         t0 = time.perf_counter()
         first = prefill_row(e.target, self.proposer, self.state, row, req.prompt_ids,
-                            RowSampling.from_configs([req.sampling], e.device), e.prefill_chunk)
+                            RowSampling.from_configs([req.sampling], e.device), e.prefill_chunk, reuse)
         e.sync()
         st = req.stats
         st.prefill_s = time.perf_counter() - t0
+        st.cached_tokens = reuse
         window, n = e.window, len(req.prompt_ids)
         stop = StopChecker(e.eos_ids, req.stop_strings,
                            req.max_new_tokens if req.max_new_tokens is not None else window - n, e.decode)
         self.requests[row], self.stops[row], self.lengths[row] = req, stop, n
+        self.tokens[row] = list(req.prompt_ids) + [first]
         self._idle[row] = False
         self._sampling = None
         self._emit(row, [first], 0)
@@ -165,10 +212,14 @@ class Lane:
             self.retire(row)
         return len(out)
 
-    def retire(self, row: int) -> None:
-        """Free a row (finished or cancelled); its request sees done."""
+    def retire(self, row: int, keep: bool = True) -> None:
+        """Free a row (finished or cancelled); its request sees done. keep: its caches are sound
+        (not after a failed step), so a later prompt may reuse them."""
         req = self.requests[row]
         req.done = True
+        tokens = self.tokens[row]
+        self.kept[row] = tokens[: self.lengths[row] + 1] if keep and tokens is not None else None
+        self.tokens[row] = None
         self.requests[row] = self.stops[row] = None
         self.lengths[row] = 0
         self._sampling = None
@@ -206,6 +257,9 @@ class Lane:
             return
         e = self.engine
         span = self._span(active)
+        for r in range(span):  # free rows in the span are stepped as padding: their caches change
+            if self.requests[r] is None:
+                self.kept[r] = None
         times = StepTimes()
         sampling = self._row_sampling(span)
         if self.graphs is not None:
@@ -227,6 +281,7 @@ class Lane:
             req = self.requests[r]
             count = host[r][-1]  # nodes kept = accepted drafts + the bonus token
             self.lengths[r] += count
+            self.tokens[r].extend(host[r][:count])
             emitted = self._emit(r, host[r][:count], count - 1)
             req.stats.record_step(emitted, count - 1, self.step_fn.budget, times.draft_s, times.verify_s)
 
@@ -236,16 +291,25 @@ class Engine:
 
     def __init__(self, target: Transformer, head: Head | None = None, *, eos_ids: list[int] = (),
                  decode=None, max_batch: int = 8, prefill_chunk: int = 512, fixed_shapes: bool = False,
-                 cuda_graphs: bool = False, draft_int8: bool | None = None) -> None:
+                 cuda_graphs: bool = False, draft_int8: bool | None = None, reuse_prefix: bool | None = None) -> None:
         """fixed_shapes: step every lane with capacity-wide attention views and a power-of-two
         number of rows, so the step's shapes repeat (what CUDA graphs need; on a CPU it only costs).
         cuda_graphs: capture each lane's step per row bucket and replay it (CUDA only).
         draft_int8: draft with weight-only int8 products (None: on a CPU with a bf16 head); the
-        output is the same either way, only drafting speed and which tokens are proposed change."""
+        output is the same either way, only drafting speed and which tokens are proposed change.
+        reuse_prefix: admit a prompt into the free row that still holds its longest prefix and
+        prefill only the rest (False: every prompt is run whole). None: on, except for a bf16
+        target whose greedy speculative output is bit-exact (`quant.greedy_exact`: the CPU's
+        int4/int8 mode). There a prompt's prefill must not depend on what ran before it: the
+        flash kernel a prefill takes rounds differently when the prompt is split at another
+        point, which could tip a near-tie between a vanilla and a speculative run."""
         if cuda_graphs and target.device.type != "cuda":
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         self.fixed_shapes = fixed_shapes or cuda_graphs
         self.draft_int8 = draft_int8  # None: decided per head (int8_supported)
+        if reuse_prefix is None:
+            reuse_prefix = target.dtype == torch.float32 or not greedy_exact(target)
+        self.reuse_prefix = reuse_prefix
         self.cuda_graphs = cuda_graphs
         self.target, self.head = target, head
         self.eos_ids, self.decode = list(eos_ids), decode
@@ -350,7 +414,8 @@ class Engine:
                 except BaseException as err:
                     for r in lane.active:
                         lane.requests[r].error = err
-                        lane.retire(r)
+                        lane.retire(r, keep=False)
+                    lane.kept = [None] * lane.max_batch  # the step may have written anywhere
                     raise
             return bool(busy or self.waiting)
 

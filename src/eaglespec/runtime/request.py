@@ -28,6 +28,7 @@ class GenerationStats:
     new_tokens: int = 0
     stop_reason: str = ""  # eos | stop_string | max_new_tokens | context_full
     prefill_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from the row's previous request
     draft_s: float = 0.0
     verify_s: float = 0.0
     wall_s: float = 0.0

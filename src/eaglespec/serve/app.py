@@ -257,8 +257,11 @@ class Answer:
         return FINISH_REASONS.get(st.stop_reason, "abort")
 
     def _usage(self) -> dict:
-        n = len(self.job.req.prompt_ids)
-        return {"prompt_tokens": n, "completion_tokens": self.n_tokens, "total_tokens": n + self.n_tokens}
+        req = self.job.req
+        n = len(req.prompt_ids)
+        # cached_tokens: prompt tokens whose KV the engine reused (the history of a chat's next turn).
+        return {"prompt_tokens": n, "completion_tokens": self.n_tokens, "total_tokens": n + self.n_tokens,
+                "prompt_tokens_details": {"cached_tokens": req.stats.cached_tokens}}
 
     def _stats(self) -> dict:
         """The speculation report (an extra field: clients that do not know it ignore it)."""

@@ -32,6 +32,10 @@ def register(sub) -> None:
                    help="speculation settings (method, tree) kept allocated at once; idle extra ones are dropped")
     p.add_argument("--shutdown-timeout", type=int, default=30,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+    p.add_argument("--prefix-reuse", default="auto", choices=["auto", "on", "off"],
+                   help="prefill only what a chat's next turn adds to its history (auto: on, except in the "
+                        "bf16 int4/int8 mode, where it would give up greedy output that is bit-identical "
+                        "whatever ran before)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -55,6 +59,8 @@ def cmd_serve(args) -> int:
     set_threads()
     spec = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
     spec.engine.max_batch = args.max_batch  # before any lane exists: lanes take it when made
+    if args.prefix_reuse != "auto":
+        spec.engine.reuse_prefix = args.prefix_reuse == "on"
     draft = args.draft
     if draft is None and (args.method != "vanilla" or (default_head_path(spec.source.name) / "config.json").is_file()):
         draft = "default"  # the shipped head, so clients can ask for eagle2 per request

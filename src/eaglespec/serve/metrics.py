@@ -35,6 +35,9 @@ class ServerMetrics:
                                     m + ["position"], registry=r)
         self.generation = Counter("eaglespec:generation_tokens", "Tokens generated", m, registry=r)
         self.prompt = Counter("eaglespec:prompt_tokens", "Prompt tokens of requests run", m, registry=r)
+        self.prompt_cached = Counter("eaglespec:prompt_tokens_cached",
+                                     "Prompt tokens not prefilled: their KV was reused from a previous request "
+                                     "in the same row", m, registry=r)
         self.requests = Counter("eaglespec:requests", "Generation requests by how they ended "
                                 "(finished, cancelled, error, rejected)", m + ["status"], registry=r)
         self.running = Gauge("eaglespec:num_requests_running", "Requests holding a row", m, registry=r)
@@ -46,7 +49,8 @@ class ServerMetrics:
         self.e2e = Histogram("eaglespec:e2e_request_latency_seconds", "Time from submission to the last token", m,
                              buckets=LATENCY_BUCKETS, registry=r)
         # Every series exists from the start (at 0), so a scrape before any request sees them all.
-        for metric in (self.drafts, self.draft_tokens, self.accepted, self.generation, self.prompt, self.running,
+        for metric in (self.drafts, self.draft_tokens, self.accepted, self.generation, self.prompt, self.prompt_cached,
+                       self.running,
                        self.waiting, self.ttft, self.tpot, self.e2e):
             metric.labels(model_name)
         for status in ("finished", "cancelled", "error", "rejected"):
@@ -86,6 +90,7 @@ class ServerMetrics:
         name, req = self.model_name, job.req
         self.requests.labels(name, status).inc()
         self.prompt.labels(name).inc(len(req.prompt_ids))
+        self.prompt_cached.labels(name).inc(req.stats.cached_tokens)
         end = time.perf_counter()
         if req.t_submit:
             self.e2e.labels(name).observe(end - req.t_submit)

@@ -138,18 +138,22 @@ class SpecStep:
 
 @torch.inference_mode()
 def prefill_row(target: Transformer, proposer: Proposer | None, s: RowState, row: int, prompt: list[int],
-                sampling: RowSampling, chunk: int = 512) -> int:
+                sampling: RowSampling, chunk: int = 512, start: int = 0) -> int:
     """Run a prompt into row `row` (chunked), draw its first token, commit its draft pairs.
 
-    sampling: the one-row RowSampling of this request. Returns the first token (host int: the
-    caller streams it)."""
+    sampling: the one-row RowSampling of this request. start: the row's caches already hold the
+    prompt's first `start` positions (a reused prefix: target slots 0..start-1 and draft pairs
+    0..start-1, the pair at t being (prompt[t + 1], f[t])); only the rest is run, 0 <= start < n.
+    Returns the first token (host int: the caller streams it)."""
     dev = target.device
     n = len(prompt)
+    if not 0 <= start < n:
+        raise ValueError(f"a reused prefix must leave a prompt token to run: start {start}, prompt {n}")
     tc = s.target_cache.rows(row, row + 1)
     ids = torch.tensor(prompt, device=dev)[None]
     feats = []
     logits = None
-    for a in range(0, n, chunk):
+    for a in range(start, n, chunk):
         e = min(n, a + chunk)
         tc.prepare(torch.arange(a, e, device=dev)[None], e)
         out = target(ids[:, a:e], torch.arange(a, e, device=dev)[None], tc, causal_mask(a, e - a, dev),
@@ -165,12 +169,12 @@ def prefill_row(target: Transformer, proposer: Proposer | None, s: RowState, row
     s.root[row] = first[0]
     if proposer is not None:
         dc = s.draft_cache.rows(row, row + 1)
-        dc.lengths.zero_()
+        dc.lengths.fill_(start)
         shifted = torch.cat((ids[:, 1:], first[:, None]), dim=1)  # pairs (x[t+1], f[t])
-        features = torch.cat(feats, dim=1)
-        for a in range(0, n, chunk):
+        features = torch.cat(feats, dim=1)  # [1, n - start, F]: positions start..n-1
+        for a in range(start, n, chunk):
             e = min(n, a + chunk)
-            h = proposer.commit(dc, dc.lengths.clone(), shifted[:, a:e], features[:, a:e],
+            h = proposer.commit(dc, dc.lengths.clone(), shifted[:, a:e], features[:, a - start:e - start],
                                 torch.tensor([e - a], device=dev), e)
         s.root_hidden[row] = h[0]
     return int(first[0])

@@ -56,13 +56,16 @@ class RegenReport:
     tokens: int  # answer tokens made by this run
     seconds: float
     stop_reasons: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0  # prompt tokens of this run's answers (each turn's whole history)
+    cached_tokens: int = 0  # of those, not prefilled: the conversation's row still held them
 
     def summary(self) -> str:
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
         reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(self.stop_reasons.items()))
         return (f"regenerate: {self.conversations:,} conversations in the file ({self.resumed:,} from an earlier run, "
                 f"{self.dropped:,} dropped: first prompt too long); {self.answers:,} answers, {self.tokens:,} tokens "
-                f"in {self.seconds:.0f} s ({rate:.0f} tokens/s){'; ' + reasons if reasons else ''}")
+                f"in {self.seconds:.0f} s ({rate:.0f} tokens/s){'; ' + reasons if reasons else ''}; prompt tokens "
+                f"{self.prompt_tokens:,}, {self.cached_tokens / max(self.prompt_tokens, 1):.0%} reused from the turn before")
 
 
 def turn_seed(seed: int, key: str, turn: int) -> int:
@@ -197,6 +200,8 @@ def regenerate(es, convs: list[Conversation], out: Path, cfg: RegenConfig | None
                 chat.next += 1
                 report.answers += 1
                 report.tokens += req.stats.new_tokens
+                report.prompt_tokens += len(req.prompt_ids)
+                report.cached_tokens += req.stats.cached_tokens
                 report.stop_reasons[req.stats.stop_reason] = report.stop_reasons.get(req.stats.stop_reason, 0) + 1
                 submit(chat)
             report.seconds = time.perf_counter() - t0
