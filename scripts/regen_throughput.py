@@ -1,11 +1,15 @@
-"""Answer tokens/s of `eaglespec regenerate` with and without prefix reuse, interleaved.
+"""Answer tokens/s of `eaglespec regenerate` by batch size and with or without prefix reuse,
+interleaved in one process.
 
-Each round regenerates the same packaged ShareGPT conversations twice in this process, once with
-the engine's prefix reuse (a conversation's next turn prefills only its new message) and once
-without (every turn prefills its whole history), alternating which goes first. Prefill time is
-summed over admissions. First, the cost of one batched decode step at --decode-batches rows
-(prompts of 300 tokens), which bounds what batching can give. Pin to one core for figures the README can quote:
-  OMP_NUM_THREADS=1 taskset -c 0 python scripts/regen_throughput.py
+Each round regenerates the same packaged ShareGPT conversations once per (batch, reuse) setting,
+the order reversed every other round. With prefix reuse a conversation's next turn prefills only
+its new message; without it every turn prefills its whole history. Prefill time is summed over
+admissions. --decode-batches first prices one batched decode step at those row counts (prompts of
+300 tokens), which bounds what batching can give. Pin to one core for figures the README quotes:
+
+    OMP_NUM_THREADS=1 taskset -c 0 python scripts/regen_throughput.py --batches 1 32 --reuse on
+    OMP_NUM_THREADS=1 taskset -c 0 python scripts/regen_throughput.py --conversations 64 --skip 0 \\
+        --max-length 640 --decode-batches 1,8,32,64,128
 """
 
 from __future__ import annotations
@@ -17,35 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from eaglespec.api import EagleSpec
+from eaglespec.api import EagleSpec, set_threads
 from eaglespec.runtime import engine as engine_mod
 from eaglespec.train.data import load_conversations
 from eaglespec.train.regenerate import RegenConfig, regenerate
-
-
-def run_once(es, convs, cfg: RegenConfig, reuse: bool) -> dict:
-    """One regeneration into a scratch file; the engine's admissions are timed."""
-    prefill = [0.0]
-    make, admit = engine_mod.Engine.__init__, engine_mod.Lane.admit
-
-    def init(self, *a, **k):
-        make(self, *a, **{**k, "reuse_prefix": reuse})
-
-    def timed_admit(self, req):
-        t0 = time.perf_counter()
-        admit(self, req)
-        prefill[0] += time.perf_counter() - t0
-
-    engine_mod.Engine.__init__, engine_mod.Lane.admit = init, timed_admit
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            t0 = time.perf_counter()
-            rep = regenerate(es, convs, Path(d) / "out.jsonl", cfg, progress=False)
-            wall = time.perf_counter() - t0
-    finally:
-        engine_mod.Engine.__init__, engine_mod.Lane.admit = make, admit
-    return {"tokens_per_s": rep.tokens / wall, "wall_s": wall, "prefill_s": prefill[0], "answers": rep.answers,
-            "prompt_tokens": rep.prompt_tokens, "cached_tokens": rep.cached_tokens}
 
 
 def decode_step_cost(es, batch: int, prompt_len: int = 300, steps: int = 10) -> float:
@@ -63,33 +42,70 @@ def decode_step_cost(es, batch: int, prompt_len: int = 300, steps: int = 10) -> 
     return statistics.median(times[2:])
 
 
+def run_once(es, convs, cfg: RegenConfig, reuse: bool, out: Path) -> dict:
+    """One regeneration into `out`, with the engine's prefix reuse forced on or off and its
+    admissions timed."""
+    prefill = [0.0]
+    make, admit = engine_mod.Engine.__init__, engine_mod.Lane.admit
+
+    def init(self, *a, **k):
+        make(self, *a, **{**k, "reuse_prefix": reuse})
+
+    def timed_admit(self, req):
+        t0 = time.perf_counter()
+        admit(self, req)
+        prefill[0] += time.perf_counter() - t0
+
+    engine_mod.Engine.__init__, engine_mod.Lane.admit = init, timed_admit
+    try:
+        t0 = time.perf_counter()
+        rep = regenerate(es, convs, out, cfg, progress=False)
+        wall = time.perf_counter() - t0
+    finally:
+        engine_mod.Engine.__init__, engine_mod.Lane.admit = make, admit
+    return {"tokens_per_s": rep.tokens / wall, "wall_s": wall, "prefill_s": prefill[0], "answers": rep.answers,
+            "prompt_tokens": rep.prompt_tokens, "cached_tokens": rep.cached_tokens}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--skip", type=int, default=200, help="start here in the packaged ShareGPT")
+    p.add_argument("--batches", type=int, nargs="+", default=[32])
+    p.add_argument("--reuse", nargs="+", choices=["on", "off"], default=["on", "off"])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-length", type=int, default=640)
-    p.add_argument("--decode-batches", default="1,8,32,64,128", help="rows per decode step to price ('' skips)")
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--quant", default="none")
+    p.add_argument("--decode-batches", default="", help="rows per decode step to price, e.g. 1,32,64")
     args = p.parse_args(argv)
-    es = EagleSpec.load(args.model, quant="none")
+    set_threads()
+    es = EagleSpec.load(args.model, quant=args.quant)
     for b in [int(x) for x in args.decode_batches.split(",") if x]:
         sec = decode_step_cost(es, b)
-        print(f"decode step, {b} rows: {sec * 1e3:.1f} ms, {b / sec:.0f} tokens/s", file=sys.stderr)
-    convs = load_conversations(None, limit=args.conversations).conversations
-    cfg = RegenConfig(max_new_tokens=args.max_new_tokens, max_length=args.max_length, batch=args.batch)
-    runs: dict[bool, list[dict]] = {True: [], False: []}
-    for r in range(args.rounds):
-        for reuse in ((True, False) if r % 2 == 0 else (False, True)):
-            out = run_once(es, convs, cfg, reuse)
-            runs[reuse].append(out)
-            print(f"round {r} reuse {'on ' if reuse else 'off'}: {out['tokens_per_s']:.0f} answer tokens/s, "
-                  f"prefill {out['prefill_s']:.1f} of {out['wall_s']:.1f} s, {out['answers']} answers, "
-                  f"{out['cached_tokens']:,} of {out['prompt_tokens']:,} prompt tokens reused", file=sys.stderr)
-    on = statistics.median(o["tokens_per_s"] for o in runs[True])
-    off = statistics.median(o["tokens_per_s"] for o in runs[False])
-    print(f"median: reuse on {on:.0f}, off {off:.0f} answer tokens/s: {on / off:.2f}x", file=sys.stderr)
+        print(f"decode step, {b} rows: {sec * 1e3:.1f} ms, {b / sec:.0f} tokens/s", file=sys.stderr, flush=True)
+    convs = load_conversations(None).conversations[args.skip:args.skip + args.conversations]
+    settings = [(b, r == "on") for b in args.batches for r in args.reuse]
+    rates: dict[tuple[int, bool], list[float]] = {s: [] for s in settings}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for b, reuse in (settings if r % 2 == 0 else settings[::-1]):
+                cfg = RegenConfig(args.max_new_tokens, args.max_length, batch=b)
+                out = run_once(es, convs, cfg, reuse, Path(tmp) / f"{r}_{b}_{reuse}.jsonl")
+                rates[(b, reuse)].append(out["tokens_per_s"])
+                print(f"round {r} batch {b} reuse {'on' if reuse else 'off'}: {out['tokens_per_s']:.0f} answer "
+                      f"tokens/s, prefill {out['prefill_s']:.1f} of {out['wall_s']:.1f} s, {out['answers']} answers, "
+                      f"{out['cached_tokens']:,} of {out['prompt_tokens']:,} prompt tokens reused",
+                      file=sys.stderr, flush=True)
+    if not rates or not args.rounds:
+        return 0
+    base = statistics.median(rates[settings[0]])
+    print(f"\n| batch | prefix reuse | answer tokens/s (median) | x batch {settings[0][0]}, "
+          f"reuse {'on' if settings[0][1] else 'off'} |\n|---|---|---|---|")
+    for b, reuse in settings:
+        m = statistics.median(rates[(b, reuse)])
+        print(f"| {b} | {'on' if reuse else 'off'} | {m:.0f} | {m / base:.2f}x |")
     return 0
 
 
