@@ -102,6 +102,21 @@ def test_resume_after_a_cut_line_equals_one_run(spec, tmp_path):
     assert len(lines) == 6 and records(part) == records(whole)
 
 
+def test_a_record_holding_a_unicode_line_separator_resumes(spec, tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028 raw in a record (ShareGPT has some): a rerun
+    must still read that record as done, not drop it as a cut line and answer it again."""
+    convs = conversations(3)
+    convs[1].messages[0]["content"] += " one line\u2028and the next"
+    cfg = RegenConfig(max_new_tokens=6, max_length=200, batch=2)
+    out = tmp_path / "out.jsonl"
+    regenerate(spec, convs, out, cfg, progress=False)
+    before = out.read_bytes()
+    assert "\u2028".encode() in before
+    rep = regenerate(spec, convs, out, cfg, progress=False)
+    assert rep.resumed == 3 and rep.answers == 0
+    assert out.read_bytes() == before
+
+
 def test_sigkill_mid_run_then_rerun(tiny_chat_checkpoint_256, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in conversations(60, 3)))

@@ -94,7 +94,11 @@ def _read_done(path: Path) -> dict[str, dict]:
         return done
     raw = path.read_bytes()
     good, bad = [], 0
-    for line in raw.decode("utf-8", errors="replace").splitlines():
+    # Records end at "\n" only: str.splitlines() would also cut at U+2028 and other separators
+    # that json.dumps(ensure_ascii=False) leaves raw inside a string (ShareGPT has them).
+    for line in raw.decode("utf-8", errors="replace").split("\n"):
+        if not line:
+            continue
         try:
             rec = json.loads(line)
             done[rec["id"]] = rec
