@@ -488,10 +488,10 @@ class RecordingLane(Lane):
             self.proposer.start_row(row, prompt[: reuse + 1])
         return row, reuse
 
-    def retire(self, row: int, keep: bool = True) -> None:
+    def retire(self, row: int) -> None:
         if isinstance(self.proposer, TrackingProposer):
             self.proposer.end_row(row)
-        super().retire(row, keep)
+        super().retire(row)
 
     def step(self) -> None:
         live = {r: self.requests[r] for r in self.active}

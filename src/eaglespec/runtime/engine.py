@@ -153,16 +153,14 @@ class Lane:
         for row, req in enumerate(self.requests):
             if req is not None:
                 continue
-            kept = self.kept[row] if self.engine.reuse_prefix else None
-            common = 0 if kept is None else _common_prefix(kept, prompt)
+            kept = (self.kept[row] if self.engine.reuse_prefix else None) or []
+            common = _common_prefix(kept, prompt)
             # Target slots hold kept[:-1] (the root was not run); draft pair t needs prompt[t + 1]
             # to match too, so a speculative row reuses one position less. One prompt token is
             # always run, for the first token's logits.
-            reuse = min(common, len(kept) - 1) if kept else 0
-            if self.proposer is not None:
-                reuse = min(reuse, common - 1)
-            reuse = max(0, min(reuse, len(prompt) - 1))
-            key = (reuse, -(len(kept) if kept else 0))
+            reuse = min(common if self.proposer is None else common - 1, len(kept) - 1, len(prompt) - 1)
+            reuse = max(0, reuse)
+            key = (reuse, -len(kept))
             if best_key is None or key > best_key:
                 best, best_key, best_reuse = row, key, reuse
         return best, best_reuse
@@ -212,13 +210,12 @@ class Lane:
             self.retire(row)
         return len(out)
 
-    def retire(self, row: int, keep: bool = True) -> None:
-        """Free a row (finished or cancelled); its request sees done. keep: its caches are sound
-        (not after a failed step), so a later prompt may reuse them."""
+    def retire(self, row: int) -> None:
+        """Free a row (finished or cancelled); its request sees done. Its caches stay for a later
+        prompt that starts with its tokens."""
         req = self.requests[row]
         req.done = True
-        tokens = self.tokens[row]
-        self.kept[row] = tokens[: self.lengths[row] + 1] if keep and tokens is not None else None
+        self.kept[row] = self.tokens[row][: self.lengths[row] + 1]
         self.tokens[row] = None
         self.requests[row] = self.stops[row] = None
         self.lengths[row] = 0
@@ -414,8 +411,8 @@ class Engine:
                 except BaseException as err:
                     for r in lane.active:
                         lane.requests[r].error = err
-                        lane.retire(r, keep=False)
-                    lane.kept = [None] * lane.max_batch  # the step may have written anywhere
+                        lane.retire(r)
+                    lane.kept = [None] * lane.max_batch  # the failed step may have written anywhere
                     raise
             return bool(busy or self.waiting)
 

@@ -50,8 +50,7 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         # Every series exists from the start (at 0), so a scrape before any request sees them all.
         for metric in (self.drafts, self.draft_tokens, self.accepted, self.generation, self.prompt, self.prompt_cached,
-                       self.running,
-                       self.waiting, self.ttft, self.tpot, self.e2e):
+                       self.running, self.waiting, self.ttft, self.tpot, self.e2e):
             metric.labels(model_name)
         for status in ("finished", "cancelled", "error", "rejected"):
             self.requests.labels(model_name, status)
