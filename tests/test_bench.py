@@ -170,14 +170,17 @@ def test_cli_bench_on_a_checkpoint(tmp_path, mixed, isolated_cache, capsys):
                       rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=EOS, pad_token_id=None)
     randomize_(LlamaForCausalLM(cfg), seed=5).save_pretrained(str(ckpt), safe_serialization=True)
     save_word_tokenizer(ckpt)
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"question_id": "a1", "category": "", "turns": ["the sun sat"]}])
     rc = main(["bench", "--model", str(ckpt), "--dtype", "fp32", "--data", str(mixed), "--methods",
                "vanilla,eagle2,hf-pld,llamacpp", "--draft", "random", "--max-new-tokens", "6",
+               "--datasets", "alpaca", "--alpaca", str(alpaca),
                "--categories", "writing", "--out", str(tmp_path / "out"), "--no-progress"])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "llamacpp skipped" in err and "## Speedup over vanilla / tau" in out
     data = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert {r["question_id"] for r in data["rows"]} == {"1", "HumanEval/0", "4"}  # math filtered out
+    assert {r["question_id"] for r in data["rows"]} == {"1", "HumanEval/0", "4", "a1"}  # math filtered out
+    assert {r["dataset"] for r in data["rows"]} == {"mixed", "alpaca"}
     assert (tmp_path / "out" / "speedup.png").read_bytes()[:8] == PNG
 
 
@@ -223,11 +226,23 @@ def test_gsm8k_real_file():
     assert len(items) == 80 and items[0].turns[0].startswith("Natalia sold clips")
 
 
+def test_alpaca_real_file():
+    """EAGLE's fourth set runs like the others: by name, one turn per instruction."""
+    items = load_dataset("alpaca", need_shared(SHARED / "alpaca" / "question.jsonl"))
+    assert len(items) == 80 and all(len(i.turns) == 1 and i.dataset == "alpaca" for i in items)
+    assert items[0].question_id == "0" and items[0].turns[0].startswith("What would be the best type of exercise")
+    both = load_datasets(["alpaca", "gsm8k"], limit=2, paths={"alpaca": SHARED / "alpaca" / "question.jsonl",
+                                                              "gsm8k": need_shared(SHARED / "gsm8k" / "train.jsonl")})
+    assert [i.dataset for i in both] == ["alpaca", "alpaca", "gsm8k", "gsm8k"]
+
+
 def test_missing_file_says_which_flag(tmp_path):
     with pytest.raises(DatasetError, match="--mt-bench FILE"):
         load_dataset("mt_bench", tmp_path / "nope.jsonl")
-    with pytest.raises(DatasetError, match="unknown dataset 'alpaca'"):
-        load_dataset("alpaca")
+    with pytest.raises(DatasetError, match="--alpaca FILE"):
+        load_dataset("alpaca", tmp_path / "nope.jsonl")
+    with pytest.raises(DatasetError, match="unknown dataset 'spec_bench'; choose from mt_bench, humaneval, gsm8k, alpaca"):
+        load_dataset("spec_bench")
 
 
 @pytest.mark.parametrize("name,records,needle", [

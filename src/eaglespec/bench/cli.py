@@ -1,6 +1,6 @@
 """`eaglespec bench`: speedup / tau / losslessness of every method on MT-bench, HumanEval, GSM8K.
 
-    eaglespec bench --datasets mt_bench,humaneval,gsm8k --limit 80 --draft default --out bench-out
+    eaglespec bench --datasets mt_bench,humaneval,gsm8k,alpaca --limit 80 --draft default --out bench-out
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ def _csv(s: str) -> list[str]:
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--datasets", type=_csv, default=None,
-                   help=f"comma-separated: {','.join(DATASETS)} (default: all three, or none when --data is given)")
+                   help=f"comma-separated: {','.join(DATASETS)} (default: all four, or none when --data is given)")
     p.add_argument("--data", action="append", default=[], metavar="FILE",
                    help="an extra jsonl dataset in MT-bench, HumanEval or GSM8K format (repeatable)")
     p.add_argument("--mt-bench", default=None, metavar="FILE", help="MT-bench question.jsonl (FastChat format)")
     p.add_argument("--gsm8k", default=None, metavar="FILE", help='GSM8K jsonl with a "question" per line')
+    p.add_argument("--alpaca", default=None, metavar="FILE", help="Alpaca instructions in MT-bench format")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
     p.add_argument("--categories", type=_csv, default=None, help="MT-bench categories to keep, e.g. writing,coding")
     p.add_argument("--methods", type=_csv, default=list(METHODS), help=f"comma-separated: {','.join(METHODS)}")
@@ -68,7 +69,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                       seed=args.seed, progress=not args.no_progress)
     names = args.datasets if args.datasets is not None else ([] if args.data else list(DATASETS))
-    paths = {k: v for k, v in (("mt_bench", args.mt_bench), ("gsm8k", args.gsm8k)) if v}
+    paths = {k: v for k, v in (("mt_bench", args.mt_bench), ("gsm8k", args.gsm8k), ("alpaca", args.alpaca)) if v}
     items = load_datasets(names, limit=args.limit, categories=args.categories, paths=paths, data=args.data)
     set_threads()
     engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, quant=args.quant)

