@@ -5,11 +5,15 @@ Each round regenerates the same packaged ShareGPT conversations once per (batch,
 the order reversed every other round. With prefix reuse a conversation's next turn prefills only
 its new message; without it every turn prefills its whole history. Prefill time is summed over
 admissions. --decode-batches first prices one batched decode step at those row counts (prompts of
-300 tokens), which bounds what batching can give. Pin to one core for figures the README quotes:
+300 tokens), which bounds what batching can give. --packing on off loads the target twice, with
+its bf16 linears packed once for oneDNN (packed.py) and plain, and compares those too. Pin to one
+core for figures the README quotes:
 
     OMP_NUM_THREADS=1 taskset -c 0 python scripts/regen_throughput.py --batches 1 32 --reuse on
     OMP_NUM_THREADS=1 taskset -c 0 python scripts/regen_throughput.py --conversations 64 --skip 0 \\
         --max-length 640 --decode-batches 1,8,32,64,128
+    OMP_NUM_THREADS=1 taskset -c 0 python scripts/regen_throughput.py --reuse on --packing on off \\
+        --decode-batches 1,32
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from eaglespec import packed
 from eaglespec.api import EagleSpec, set_threads
 from eaglespec.runtime import engine as engine_mod
 from eaglespec.train.data import load_conversations
@@ -79,33 +84,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--quant", default="none")
     p.add_argument("--decode-batches", default="", help="rows per decode step to price, e.g. 1,32,64")
+    p.add_argument("--packing", nargs="+", choices=["on", "off"], default=["on"],
+                   help="bf16 linears packed once for oneDNN (the default) and/or plain F.linear")
     args = p.parse_args(argv)
     set_threads()
-    es = EagleSpec.load(args.model, quant=args.quant)
+    engines = {}
+    for pk in args.packing:
+        packed.PACK_BF16 = pk == "on"
+        engines[pk] = EagleSpec.load(args.model, quant=args.quant)
+    packed.PACK_BF16 = True
     for b in [int(x) for x in args.decode_batches.split(",") if x]:
-        sec = decode_step_cost(es, b)
-        print(f"decode step, {b} rows: {sec * 1e3:.1f} ms, {b / sec:.0f} tokens/s", file=sys.stderr, flush=True)
+        for r in range(3 if len(engines) > 1 else 1):  # interleaved: packed and plain alternate
+            for pk, es in engines.items():
+                sec = decode_step_cost(es, b)
+                print(f"decode step, {b} rows, packing {pk}: {sec * 1e3:.1f} ms, {b / sec:.0f} tokens/s",
+                      file=sys.stderr, flush=True)
     convs = load_conversations(None).conversations[args.skip:args.skip + args.conversations]
-    settings = [(b, r == "on") for b in args.batches for r in args.reuse]
-    rates: dict[tuple[int, bool], list[float]] = {s: [] for s in settings}
+    settings = [(b, r == "on", pk) for b in args.batches for r in args.reuse for pk in args.packing]
+    rates: dict[tuple[int, bool, str], list[float]] = {s: [] for s in settings}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for b, reuse in (settings if r % 2 == 0 else settings[::-1]):
+            for b, reuse, pk in (settings if r % 2 == 0 else settings[::-1]):
                 cfg = RegenConfig(args.max_new_tokens, args.max_length, batch=b)
-                out = run_once(es, convs, cfg, reuse, Path(tmp) / f"{r}_{b}_{reuse}.jsonl")
-                rates[(b, reuse)].append(out["tokens_per_s"])
-                print(f"round {r} batch {b} reuse {'on' if reuse else 'off'}: {out['tokens_per_s']:.0f} answer "
+                out = run_once(engines[pk], convs, cfg, reuse, Path(tmp) / f"{r}_{b}_{reuse}_{pk}.jsonl")
+                rates[(b, reuse, pk)].append(out["tokens_per_s"])
+                print(f"round {r} batch {b} reuse {'on' if reuse else 'off'} packing {pk}: {out['tokens_per_s']:.0f} answer "
                       f"tokens/s, prefill {out['prefill_s']:.1f} of {out['wall_s']:.1f} s, {out['answers']} answers, "
                       f"{out['cached_tokens']:,} of {out['prompt_tokens']:,} prompt tokens reused",
                       file=sys.stderr, flush=True)
     if not rates or not args.rounds:
         return 0
     base = statistics.median(rates[settings[0]])
-    print(f"\n| batch | prefix reuse | answer tokens/s (median) | x batch {settings[0][0]}, "
-          f"reuse {'on' if settings[0][1] else 'off'} |\n|---|---|---|---|")
-    for b, reuse in settings:
-        m = statistics.median(rates[(b, reuse)])
-        print(f"| {b} | {'on' if reuse else 'off'} | {m:.0f} | {m / base:.2f}x |")
+    print(f"\n| batch | prefix reuse | packing | answer tokens/s (median) | x batch {settings[0][0]}, "
+          f"reuse {'on' if settings[0][1] else 'off'}, packing {settings[0][2]} |\n|---|---|---|---|---|")
+    for b, reuse, pk in settings:
+        m = statistics.median(rates[(b, reuse, pk)])
+        print(f"| {b} | {'on' if reuse else 'off'} | {pk} | {m:.0f} | {m / base:.2f}x |")
     return 0
 
 

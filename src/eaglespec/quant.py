@@ -9,7 +9,8 @@ default model). The modes:
   quantised on load (asymmetric min/max per group).
 - `int8`: per-output-row symmetric int8, run by the package's W8A8 kernel (csrc/int8_gemm.cpp)
   where it builds, else `_weight_int8pack_mm`.
-- `none`: the float weights in the model's dtype.
+- `none`: the float weights in the model's dtype (in bf16 on a CPU packed once for oneDNN:
+  packed.py).
 - `auto`: keep a GGUF's 4-bit (int4) or 8-bit (int8) linears quantised; float checkpoints stay
   float. Only on a CPU in bf16: the kernels' fp32 paths are many times slower than a float matmul
   (measured 90-190 ms for what bf16 does in 7-29 ms), and their CUDA packing differs.
@@ -240,6 +241,9 @@ def quantize_model(model: nn.Module, mode: str,
     take stay float (tiny test models), and greedy_exact then withdraws its claim."""
     model.quant = mode
     if mode == "none":
+        from .packed import pack_linears
+
+        pack_linears(model)  # bf16 on a CPU: weights packed once for oneDNN (packed.py)
         return model
     dtype = model.dtype
     linears = [(f"layers.{name}", m) for name, m in model.layers.named_modules()
