@@ -63,12 +63,12 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace the bf16 CPU linears of `model` (a Transformer) by PackedLinear in place, the LM head
     keeping its weight; MoE routers stay plain. Returns how many were packed."""
-    from .quant import _set
+    from .quant import layer_linears, set_submodule
 
     n = 0
-    for name, m in list(model.layers.named_modules()):
-        if isinstance(m, nn.Linear) and not name.endswith("router") and packing_applies(m.weight):
-            _set(model, f"layers.{name}", PackedLinear(m.weight, m.bias))
+    for path, lin in layer_linears(model):
+        if packing_applies(lin.weight):
+            set_submodule(model, path, PackedLinear(lin.weight, lin.bias))
             n += 1
     head = model.lm_head
     if isinstance(head, nn.Linear) and packing_applies(head.weight):

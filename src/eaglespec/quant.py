@@ -225,9 +225,16 @@ def resolve_quant(mode: str, device: torch.device | str, dtype: torch.dtype, ggu
     return "none"
 
 
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+def set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent), name, module)
+
+
+def layer_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(module path, layer) for the decoder layers' nn.Linear products that a mode may replace;
+    MoE routers stay float."""
+    return [(f"layers.{name}", m) for name, m in model.layers.named_modules()
+            if isinstance(m, nn.Linear) and not name.endswith("router")]
 
 
 def quantize_model(model: nn.Module, mode: str,
@@ -246,15 +253,13 @@ def quantize_model(model: nn.Module, mode: str,
         pack_linears(model)  # bf16 on a CPU: weights packed once for oneDNN (packed.py)
         return model
     dtype = model.dtype
-    linears = [(f"layers.{name}", m) for name, m in model.layers.named_modules()
-               if isinstance(m, nn.Linear) and not name.endswith("router")]  # MoE routing stays float
-    for path, lin in linears:
+    for path, lin in layer_linears(model):
         given = (int4_weights or {}).pop(path, None)  # popped: its blocks go once packed
         if mode == "int4" and (given is not None or int4_fits(lin.out_features, lin.in_features)):
             w = int4_from_float(lin.weight) if given is None else given() if callable(given) else given
-            _set(model, path, Int4Linear(w, lin.bias, dtype))
+            set_submodule(model, path, Int4Linear(w, lin.bias, dtype))
         elif int8_fits(lin.in_features) and lin.weight.device.type != "meta":
-            _set(model, path, Int8Linear(lin.weight, lin.bias))
+            set_submodule(model, path, Int8Linear(lin.weight, lin.bias))
     head = model.lm_head
     if int8_fits(head.in_features) and head.weight.device.type != "meta":
         # The tied embedding keeps its float table for lookups; only the product reads int8.
