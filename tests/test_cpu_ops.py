@@ -56,6 +56,36 @@ def test_rows_heads_and_batch_rows_are_independent():
             assert torch.equal(alone, full[i:i + 1, :, j:j + 1]), (i, j)
 
 
+@pytest.mark.parametrize("contexts", [(37, 37), (64, 50), (100, 3), (16, 0)])
+def test_tokens_sharing_a_context_are_each_the_same_bits_alone(contexts):
+    """The kernel loads the context every token of a row sees once for all of them (a tree over a
+    long context); each token's output must still equal that token alone over its keys. Rows with
+    different context lengths (not multiples of 16), a token that sees less, and tree nodes."""
+    g = torch.Generator().manual_seed(sum(contexts))
+    b, nh, nkv, t, hd = len(contexts), 9, 3, 9, 64
+    s = max(contexts) + t + 5
+    q = torch.randn(b, nh, t, hd, generator=g).bfloat16()
+    k, v = (torch.randn(b, nkv, s, hd, generator=g).bfloat16() for _ in range(2))
+    mask = torch.zeros(b, t, s, dtype=torch.bool)
+    for i, ctx in enumerate(contexts):
+        mask[i, :, :ctx] = True
+        for j in range(t):  # node j's ancestors in a binary tree, then itself
+            a = j
+            while True:
+                mask[i, j, ctx + a] = True
+                if a == 0:
+                    break
+                a = (a - 1) // 2
+    if contexts[0] > 20:
+        mask[0, 4, 18] = False  # a hole in one token's context: the part all tokens share ends there
+    full = kernel_attention(q, k, v, mask[:, None])
+    for i in range(b):
+        for j in range(t):
+            vis = mask[i, j].nonzero().flatten()
+            alone = kernel_attention(q[i:i + 1, :, j:j + 1], k[i:i + 1, :, vis], v[i:i + 1, :, vis], None)
+            assert torch.equal(alone, full[i:i + 1, :, j:j + 1]), (i, j)
+
+
 def test_a_two_dimensional_mask_is_shared_by_the_batch():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(3, 4, 6, 32, generator=g).bfloat16()

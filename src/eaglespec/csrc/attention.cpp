@@ -14,7 +14,8 @@
 // logical sequence the one-token call reads), with a fixed sequence of float operations that
 // depends on nothing but that sequence. Masked slots are skipped, not weighted by zero, so other
 // nodes between a node's keys cannot change its sums; work is split between threads by whole
-// (row, head, token) items.
+// (batch row, kv head) items. The tokens of an item share the loading of the context's keys and
+// values (see attend_item), which changes no operation on any score or sum.
 //
 // Arithmetic: scores are fp32 dot products of the bf16 inputs (16 lanes, lanes summed in a fixed
 // tree), the softmax runs in fp32 with the running maximum taken first, the weighted sum of values
@@ -82,62 +83,117 @@ struct Call {
   float scale;
 };
 
+// Per thread: one item's rows (its T tokens x g query heads, row r = t * g + j) and their state.
 struct Scratch {
-  std::vector<int64_t> slots;
-  std::vector<float> scores, totals;
-  std::vector<f32x16> qv, acc, keys;  // keys: one block of LANES keys in fp32, [LANES * chunks]
+  std::vector<int64_t> slots, counts;  // slots[t * S + i]: token t's i-th visible slot; counts[t]
+  std::vector<float> scores, totals;   // scores[r * Sp + i]
+  std::vector<f32x16> qv, acc, block;  // block: LANES keys or values in fp32, [LANES * chunks]
   Scratch(const Call& c)
-      : slots(c.S), scores(c.g * padded(c.S)), totals(c.g), qv(c.g * c.chunks), acc(c.g * c.chunks),
-        keys(LANES * c.chunks) {}
+      : slots(c.T * c.S), counts(c.T), scores(c.T * c.g * padded(c.S)), totals(c.T * c.g),
+        qv(c.T * c.g * c.chunks), acc(c.T * c.g * c.chunks), block(LANES * c.chunks) {}
   static int64_t padded(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
 };
 
-// One item: (row b, kv head h, token t) and its g query heads, which share the keys. C: head_dim
-// / 16 when known at compile time (0: read it from the call); the arithmetic is the same either way.
+// Scores of `rows` query rows (qv of row r at q0 + r * chunks, scores at s0 + r * Sp) for the LANES
+// keys widened in `kb`, at list positions i0..i0+15: 16-lane products, lanes summed in a fixed tree.
+template <int C>
+inline void score_block(const f32x16* kb, const f32x16* q0, int64_t rows, int64_t chunks, float scale, float* s0,
+                        int64_t Sp, int64_t i0) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const f32x16* qr = q0 + r * chunks;
+    f32x16 d[LANES];
+    for (int64_t l = 0; l < LANES; ++l) d[l] = lane_products(qr, kb + l * chunks, C ? C : chunks);
+    const f32x16 sc = lane_sums16(d) * scale;
+    std::memcpy(s0 + r * Sp + i0, &sc, sizeof(sc));
+  }
+}
+
+// Rows r0..r0+N-1 add the LANES values widened in vb (list positions i0..i0+15), weighted, to their
+// sums, key after key. Each row's additions are the same sequence for any N; N rows side by side
+// only give the CPU independent additions to overlap (one row's chain waits on each add).
+constexpr int kValueRows = 3;
+
+template <int C, int N>
+inline void accumulate_values(Scratch& w, const f32x16* vb, int64_t r0, int64_t chunks, int64_t Sp, int64_t i0) {
+  constexpr int CH = C ? C : MAX_CHUNKS;
+  f32x16 a[N][CH];
+  for (int n = 0; n < N; ++n)
+    for (int64_t ch = 0; ch < chunks; ++ch) a[n][ch] = w.acc[(r0 + n) * chunks + ch];
+  for (int64_t l = 0; l < LANES; ++l)
+    for (int n = 0; n < N; ++n) {
+      const float e = w.scores[(r0 + n) * Sp + i0 + l];
+      for (int64_t ch = 0; ch < chunks; ++ch) a[n][ch] = a[n][ch] + e * vb[l * chunks + ch];
+    }
+  for (int n = 0; n < N; ++n)
+    for (int64_t ch = 0; ch < chunks; ++ch) w.acc[(r0 + n) * chunks + ch] = a[n][ch];
+}
+
+// One item: (row b, kv head h), all T tokens and their g query heads each, which share the keys.
+// Token t reads its visible slots in slot order: every token sees slots 0..P-1 (the committed
+// context, P the shortest such run), then its own (its ancestors, itself). Blocks of LANES keys
+// within 0..P-1 are widened once for every row; the rest per token. A key's score, its weight and
+// the order in which a row adds its weighted values depend only on that row's own sequence of
+// visible keys, never on the other rows or on where the blocks fall, so a token's output is the
+// same bits alone (one-token decoding) or in a tree.
 template <int C>
 void attend_item(const Call& c, int64_t item, Scratch& w) {
-  const int64_t chunks = C ? C : c.chunks, g = c.g, Sp = Scratch::padded(c.S);
-  const int64_t t = item % c.T, h = (item / c.T) % c.nkv, b = item / (c.T * c.nkv);
-  int64_t n = 0;  // visible slots, in slot order
-  if (c.mask) {
-    const bool* row = c.mask + b * c.msb + t * c.mst;
-    for (int64_t s = 0; s < c.S; ++s)
-      if (row[s * c.mss]) w.slots[n++] = s;
-  } else {
-    for (int64_t s = 0; s < c.S; ++s) w.slots[n++] = s;
+  const int64_t chunks = C ? C : c.chunks, g = c.g, Sp = Scratch::padded(c.S), T = c.T, R = T * g;
+  const int64_t h = item % c.nkv, b = item / c.nkv;
+  int64_t P = c.S;  // slots every token sees, from slot 0
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t* sl = w.slots.data() + t * c.S;
+    int64_t n = 0;
+    if (c.mask) {
+      const bool* row = c.mask + b * c.msb + t * c.mst;
+      int64_t run = 0;
+      for (int64_t s = 0; s < c.S; ++s)
+        if (row[s * c.mss]) {
+          if (run == s) ++run;
+          sl[n++] = s;
+        }
+      P = run < P ? run : P;
+    } else {
+      for (int64_t s = 0; s < c.S; ++s) sl[n++] = s;
+    }
+    w.counts[t] = n;
   }
+  const int64_t shared = P / LANES * LANES;  // list positions 0..shared-1 are slots 0..shared-1 for every token
   const int64_t hd = chunks * LANES;
-  for (int64_t j = 0; j < g; ++j)
-    for (int64_t ch = 0; ch < chunks; ++ch)
-      w.qv[j * chunks + ch] = load_bf16(c.q + ((b * c.nh + h * g + j) * c.T + t) * hd + ch * LANES);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t ch = 0; ch < chunks; ++ch)
+        w.qv[(t * g + j) * chunks + ch] = load_bf16(c.q + ((b * c.nh + h * g + j) * T + t) * hd + ch * LANES);
   const c10::BFloat16* kh = c.k + b * c.ksb + h * c.ksh;
   const c10::BFloat16* vh = c.v + b * c.vsb + h * c.vsh;
-  // Scores: 16-lane products over head_dim, lanes summed in a fixed tree. Whole blocks of 16 keys
-  // are widened to fp32 once for all g heads and their 16 lane sums done together (lane_sums16);
-  // the last keys one by one. Both give every key the same operations, so the block boundaries
-  // (which depend on how many keys are visible) cannot change a score.
-  int64_t i0 = 0;
-  for (; i0 + LANES <= n; i0 += LANES) {
-    f32x16* kb = w.keys.data();
+  f32x16* kb = w.block.data();
+  // Scores. Whole blocks of 16 keys are widened to fp32 once and their 16 lane sums done together
+  // (lane_sums16); a token's last keys one by one. Both give every key the same operations.
+  for (int64_t i0 = 0; i0 < shared; i0 += LANES) {
     for (int64_t r = 0; r < LANES; ++r)
-      for (int64_t ch = 0; ch < chunks; ++ch) kb[r * chunks + ch] = load_bf16(kh + w.slots[i0 + r] * c.kss + ch * LANES);
-    for (int64_t j = 0; j < g; ++j) {
-      const f32x16* qj = &w.qv[j * chunks];
-      f32x16 d[LANES];
-      for (int64_t r = 0; r < LANES; ++r) d[r] = lane_products(qj, kb + r * chunks, chunks);
-      const f32x16 sc = lane_sums16(d) * c.scale;
-      std::memcpy(&w.scores[j * Sp + i0], &sc, sizeof(sc));
+      for (int64_t ch = 0; ch < chunks; ++ch) kb[r * chunks + ch] = load_bf16(kh + (i0 + r) * c.kss + ch * LANES);
+    score_block<C>(kb, w.qv.data(), R, chunks, c.scale, w.scores.data(), Sp, i0);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t* sl = w.slots.data() + t * c.S;
+    const int64_t n = w.counts[t];
+    const f32x16* qt = w.qv.data() + t * g * chunks;
+    float* st = w.scores.data() + t * g * Sp;
+    int64_t i0 = shared;
+    for (; i0 + LANES <= n; i0 += LANES) {
+      for (int64_t r = 0; r < LANES; ++r)
+        for (int64_t ch = 0; ch < chunks; ++ch) kb[r * chunks + ch] = load_bf16(kh + sl[i0 + r] * c.kss + ch * LANES);
+      score_block<C>(kb, qt, g, chunks, c.scale, st, Sp, i0);
+    }
+    for (int64_t i = i0; i < n; ++i) {
+      f32x16 kc[C ? C : MAX_CHUNKS];
+      for (int64_t ch = 0; ch < chunks; ++ch) kc[ch] = load_bf16(kh + sl[i] * c.kss + ch * LANES);
+      for (int64_t j = 0; j < g; ++j) st[j * Sp + i] = lane_sum(lane_products(qt + j * chunks, kc, chunks)) * c.scale;
     }
   }
-  for (int64_t i = i0; i < n; ++i) {
-    f32x16 kc[C ? C : MAX_CHUNKS];
-    for (int64_t ch = 0; ch < chunks; ++ch) kc[ch] = load_bf16(kh + w.slots[i] * c.kss + ch * LANES);
-    for (int64_t j = 0; j < g; ++j)
-      w.scores[j * Sp + i] = lane_sum(lane_products(&w.qv[j * chunks], kc, chunks)) * c.scale;
-  }
-  const int64_t blocks = (n + LANES - 1) / LANES;
-  for (int64_t j = 0; j < g; ++j) {  // unnormalised weights exp(score - max), and their sum
-    float* sj = w.scores.data() + j * Sp;
+  for (int64_t r = 0; r < R; ++r) {  // unnormalised weights exp(score - max), and their sum
+    const int64_t n = w.counts[r / g];
+    const int64_t blocks = (n + LANES - 1) / LANES;
+    float* sj = w.scores.data() + r * Sp;
     for (int64_t i = n; i < blocks * LANES; ++i) sj[i] = -INFINITY;  // the last block's unused lanes
     f32x16 top = f32x16{} - INFINITY;
     for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -155,24 +211,37 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
       std::memcpy(sj + blk * LANES, &e, sizeof(e));
       total = total + e;
     }
-    w.totals[j] = lane_sum(total);
-    for (int64_t ch = 0; ch < chunks; ++ch) w.acc[j * chunks + ch] = f32x16{};
+    w.totals[r] = lane_sum(total);
+    for (int64_t ch = 0; ch < chunks; ++ch) w.acc[r * chunks + ch] = f32x16{};
   }
-  for (int64_t i = 0; i < n; ++i) {  // the weighted sum of values, along the keys
-    f32x16 vc[C ? C : MAX_CHUNKS];
-    for (int64_t ch = 0; ch < chunks; ++ch) vc[ch] = load_bf16(vh + w.slots[i] * c.vss + ch * LANES);
-    for (int64_t j = 0; j < g; ++j) {
-      const float e = w.scores[j * Sp + i];
-      f32x16* aj = &w.acc[j * chunks];
-      for (int64_t ch = 0; ch < chunks; ++ch) aj[ch] = aj[ch] + e * vc[ch];
+  // The weighted sum of values, along each row's keys in order: shared blocks widened once.
+  f32x16* vb = w.block.data();
+  for (int64_t i0 = 0; i0 < shared; i0 += LANES) {
+    for (int64_t l = 0; l < LANES; ++l)
+      for (int64_t ch = 0; ch < chunks; ++ch) vb[l * chunks + ch] = load_bf16(vh + (i0 + l) * c.vss + ch * LANES);
+    int64_t r = 0;
+    for (; r + kValueRows <= R; r += kValueRows) accumulate_values<C, kValueRows>(w, vb, r, chunks, Sp, i0);
+    for (; r < R; ++r) accumulate_values<C, 1>(w, vb, r, chunks, Sp, i0);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t* sl = w.slots.data() + t * c.S;
+    for (int64_t i = shared; i < w.counts[t]; ++i) {
+      f32x16 vc[C ? C : MAX_CHUNKS];
+      for (int64_t ch = 0; ch < chunks; ++ch) vc[ch] = load_bf16(vh + sl[i] * c.vss + ch * LANES);
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t r = t * g + j;
+        const float e = w.scores[r * Sp + i];
+        f32x16* ar = &w.acc[r * chunks];
+        for (int64_t ch = 0; ch < chunks; ++ch) ar[ch] = ar[ch] + e * vc[ch];
+      }
     }
   }
-  for (int64_t j = 0; j < g; ++j) {
-    const float total = w.totals[j];
-    c10::BFloat16* o = c.out + ((b * c.nh + h * g + j) * c.T + t) * hd;
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-      store_bf16(o + ch * LANES, total > 0.f ? w.acc[j * chunks + ch] / total : f32x16{});
-    }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = r / g, j = r % g;
+    const float total = w.totals[r];
+    c10::BFloat16* o = c.out + ((b * c.nh + h * g + j) * T + t) * hd;
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      store_bf16(o + ch * LANES, total > 0.f ? w.acc[r * chunks + ch] / total : f32x16{});
   }
 }
 
@@ -214,7 +283,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                masked ? m.stride(0) : 0, masked ? m.stride(1) : 0, masked ? m.stride(2) : 0,
                static_cast<float>(scale)};
-  const int64_t items = B * nkv * T;
+  const int64_t items = B * nkv;
   switch (c.chunks) {  // common head sizes unrolled; the arithmetic is identical
     case 4: attend_all<4>(c, items); break;
     case 8: attend_all<8>(c, items); break;
