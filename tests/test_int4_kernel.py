@@ -42,10 +42,10 @@ def reference(x: torch.Tensor, w: Int4Weights) -> torch.Tensor:
     a, d = quantize_activations(x)
     c = d * a.sum(-1)  # the sum is an exact integer
     s = torch.einsum("mgk,ngk->mng", a.double(), w.q.view(-1, g, quant.GROUP).double()).float()  # exact
-    zero8 = w.zero - 8 * w.scale  # [N, G]
+    scale, zero8 = kernels.int4_kernel_params(w.scale, w.zero)  # [N, G] each, fp16 values
     acc = torch.zeros(m, w.q.shape[0])
     for j in range(g):  # groups in order
-        acc = acc + (s[:, :, j] * (w.scale[:, j] * d[:, j, None]) + zero8[:, j] * c[:, j, None])
+        acc = acc + (s[:, :, j] * (scale[:, j] * d[:, j, None]) + zero8[:, j] * c[:, j, None])
     return acc.bfloat16()
 
 
@@ -152,8 +152,23 @@ def test_pack_layout():
     byte = int(codes[t, g, 64 * c + 4 * j + b])
     assert byte & 0xF == q[16 * t + j, 32 * g + 4 * c + b]
     assert byte >> 4 == q[16 * t + j, 32 * g + 16 + 4 * c + b]
-    assert params[t, g, 0, j] == scale[16 * t + j, g]
-    assert params[t, g, 1, j] == zero[16 * t + j, g] - 8 * scale[16 * t + j, g]
+    assert params.dtype == torch.float16
+    assert params[t, g, 0, j] == scale[16 * t + j, g].half()
+    assert params[t, g, 1, j] == (zero[16 * t + j, g] - 8 * scale[16 * t + j, g]).half()
+
+
+def test_gguf_params_are_exact_in_fp16():
+    """Q4_1 blocks hold d and m as fp16; the kernel's fp16 (scale, zero8) must be exactly (d, m)."""
+    g = torch.Generator().manual_seed(3)
+    d = (torch.rand(64, 4, generator=g) * 0.02 + 1e-4).half()
+    m = (-torch.rand(64, 4, generator=g) * 0.2).half()
+    raw = torch.zeros(64, 4, 20, dtype=torch.uint8)
+    raw[..., 0:2] = d.view(torch.uint8).view(64, 4, 2)
+    raw[..., 2:4] = m.view(torch.uint8).view(64, 4, 2)
+    raw[..., 4:] = torch.randint(0, 256, (64, 4, 16), generator=g, dtype=torch.uint8)
+    w = quant.int4_from_gguf_blocks(raw, "Q4_1")
+    scale, zero8 = kernels.int4_kernel_params(w.scale, w.zero)
+    assert torch.equal(scale, d.float()) and torch.equal(zero8, m.float())
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, caplog):

@@ -158,16 +158,23 @@ def kernel_fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE == 0 and in_features % GROUP == 0
 
 
+def int4_kernel_params(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero8) [N, K/32] as the int4 kernel applies them, as fp32 tensors: fp16 values, with
+    zero8 = zero - 8 * scale (w = q * scale + zero8). Exact for GGUF Q4_0 / Q4_1 weights, whose d
+    and m are fp16 (scale = d, zero8 = m); weights quantised here from floats lose 2^-11 relative."""
+    zero8 = zero.float() - 8 * scale.float()
+    return scale.float().half().float(), zero8.half().float()
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Int4Weights' (q int32 [N, K] in 0..15, scale and zero fp32 [N, K/32]) -> the kernel's
-    (codes u8 [N/16, K/32, 256], params f32 [N/16, K/32, 2, 16]); layout in csrc/int4_gemm.cpp.
-    w = (q - 8) * scale + zero = q * scale + zero8 with zero8 = zero - 8 * scale."""
+    (codes u8 [N/16, K/32, 256], params f16 [N/16, K/32, 2, 16]); layout in csrc/int4_gemm.cpp,
+    params from `int4_kernel_params`."""
     n, k = q.shape
     t, g = n // TILE, k // GROUP
     steps = q.to(torch.uint8).view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4)  # [T, G, step, 16 outputs, 4 inputs]
     codes = (steps[:, :, :4] | (steps[:, :, 4:] << 4)).reshape(t, g, 256).contiguous()
-    zero8 = zero.float() - 8 * scale.float()
-    params = torch.stack([scale.float(), zero8], 0).view(2, t, TILE, g).permute(1, 3, 0, 2).contiguous()
+    params = torch.stack(int4_kernel_params(scale, zero), 0).half().view(2, t, TILE, g).permute(1, 3, 0, 2).contiguous()
     return codes, params
 
 

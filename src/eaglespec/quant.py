@@ -111,7 +111,7 @@ class Int4Linear(nn.Module):
     """y = x W^T (+ b) with W as `Int4Weights`, packed for one of two kernels (`self.kernel`):
     - "vnni" (eaglespec.kernels, bf16 only, N % 16 == 0, K % 32 == 0): activations rounded to int8
       per row per group of 32 (relative error up to 2^-8 of the group's largest), scale and zero
-      kept in fp32;
+      as fp16 (exact for GGUF blocks; `kernels.int4_kernel_params`), products in fp32;
     - "torch" (`_weight_int4pack_mm_for_cpu`): bf16 activations, scale and zero rounded to bf16
       (relative 2^-9 per group).
 
