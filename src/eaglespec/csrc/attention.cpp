@@ -94,6 +94,16 @@ struct Scratch {
   static int64_t padded(int64_t n) { return (n + LANES - 1) / LANES * LANES; }
 };
 
+// LANES keys or values widened to fp32 into out[l * chunks + ch]: those at list positions
+// i0..i0+15, in slots slots[i] (null: slot = position, the shared context).
+inline void widen_block(const c10::BFloat16* base, int64_t stride, const int64_t* slots, int64_t i0, int64_t chunks,
+                        f32x16* out) {
+  for (int64_t l = 0; l < LANES; ++l) {
+    const int64_t s = slots ? slots[i0 + l] : i0 + l;
+    for (int64_t ch = 0; ch < chunks; ++ch) out[l * chunks + ch] = load_bf16(base + s * stride + ch * LANES);
+  }
+}
+
 // Scores of `rows` query rows (qv of row r at q0 + r * chunks, scores at s0 + r * Sp) for the LANES
 // keys widened in `kb`, at list positions i0..i0+15: 16-lane products, lanes summed in a fixed tree.
 template <int C>
@@ -169,8 +179,7 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
   // Scores. Whole blocks of 16 keys are widened to fp32 once and their 16 lane sums done together
   // (lane_sums16); a token's last keys one by one. Both give every key the same operations.
   for (int64_t i0 = 0; i0 < shared; i0 += LANES) {
-    for (int64_t r = 0; r < LANES; ++r)
-      for (int64_t ch = 0; ch < chunks; ++ch) kb[r * chunks + ch] = load_bf16(kh + (i0 + r) * c.kss + ch * LANES);
+    widen_block(kh, c.kss, nullptr, i0, chunks, kb);
     score_block<C>(kb, w.qv.data(), R, chunks, c.scale, w.scores.data(), Sp, i0);
   }
   for (int64_t t = 0; t < T; ++t) {
@@ -180,8 +189,7 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
     float* st = w.scores.data() + t * g * Sp;
     int64_t i0 = shared;
     for (; i0 + LANES <= n; i0 += LANES) {
-      for (int64_t r = 0; r < LANES; ++r)
-        for (int64_t ch = 0; ch < chunks; ++ch) kb[r * chunks + ch] = load_bf16(kh + sl[i0 + r] * c.kss + ch * LANES);
+      widen_block(kh, c.kss, sl, i0, chunks, kb);
       score_block<C>(kb, qt, g, chunks, c.scale, st, Sp, i0);
     }
     for (int64_t i = i0; i < n; ++i) {
@@ -217,8 +225,7 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
   // The weighted sum of values, along each row's keys in order: shared blocks widened once.
   f32x16* vb = w.block.data();
   for (int64_t i0 = 0; i0 < shared; i0 += LANES) {
-    for (int64_t l = 0; l < LANES; ++l)
-      for (int64_t ch = 0; ch < chunks; ++ch) vb[l * chunks + ch] = load_bf16(vh + (i0 + l) * c.vss + ch * LANES);
+    widen_block(vh, c.vss, nullptr, i0, chunks, vb);
     int64_t r = 0;
     for (; r + kValueRows <= R; r += kValueRows) accumulate_values<C, kValueRows>(w, vb, r, chunks, Sp, i0);
     for (; r < R; ++r) accumulate_values<C, 1>(w, vb, r, chunks, Sp, i0);
