@@ -372,8 +372,8 @@ class TrackingProposer(Proposer):
             ctx.extend(toks[b][: cnt[b]])
         return hidden
 
-    def propose(self, cache, root_token, root_hidden, room, view_len):
-        tree = super().propose(cache, root_token, root_hidden, room, view_len)
+    def propose(self, cache, root_token, root_hidden, room, view_len, sampling=None, step=None):
+        tree = super().propose(cache, root_token, root_hidden, room, view_len, sampling, step)
         row0 = self._first_row(cache)
         roots, lengths = root_token.tolist(), cache.lengths.tolist()
         valid = tree.valid.sum(1).tolist()
@@ -440,10 +440,11 @@ class OracleProposer(TrackingProposer):
                     self.memo[key] = (toks, pars)
             tokens[b] = torch.tensor(toks)
             parents[b] = torch.tensor(pars)
+        # The oracle's tokens were not drawn from the head's q: verify them as top-k drafts (q = 1).
         if self.memo is None:  # the proposer's own shape
-            return dataclasses.replace(tree, tokens=tokens)
+            return dataclasses.replace(tree, tokens=tokens, draft_probs=None)
         depth, ancestors = ancestors_from_parents(parents, tree.max_depth)
-        return BatchTree(tokens, parents, depth, ancestors, tree.valid, tree.max_depth, tree.draft_probs)
+        return BatchTree(tokens, parents, depth, ancestors, tree.valid, tree.max_depth)
 
 
 @dataclass

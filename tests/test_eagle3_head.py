@@ -295,7 +295,7 @@ class CheckedProposer(TrackingProposer):
 
     checked = 0
 
-    def propose(self, cache, root_token, root_hidden, room, view_len):
+    def propose(self, cache, root_token, root_hidden, room, view_len, sampling=None, step=None):
         row0 = self._first_row(cache)
         for b in range(root_token.shape[0]):
             ctx = self.contexts.get(row0 + b)
@@ -308,7 +308,7 @@ class CheckedProposer(TrackingProposer):
                             torch.arange(n)[None], self.head.new_cache(n))[0, -1]
             torch.testing.assert_close(root_hidden[b], ref, rtol=1e-4, atol=1e-4)
             CheckedProposer.checked += 1
-        return super().propose(cache, root_token, root_hidden, room, view_len)
+        return super().propose(cache, root_token, root_hidden, room, view_len, sampling, step)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle2"])

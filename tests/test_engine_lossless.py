@@ -27,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eaglespec.config import EAGLE1_CHOICES, SamplingConfig, TreeConfig
+from eaglespec.config import EAGLE1_CHOICES, QUANT_TREE, SAMPLED_TREE, SamplingConfig, TreeConfig, default_tree
 from eaglespec.draft import init_random_head
 from eaglespec.kv_cache import RowKVCache
 from eaglespec.quant import greedy_exact, quantize_model
@@ -35,8 +35,8 @@ from eaglespec.runtime.engine import Engine, Request
 from eaglespec.spec import step as step_mod
 from eaglespec.spec import verify as spec_verify
 from eaglespec.spec.propose import Proposer
-from eaglespec.spec.rng import BONUS, draw, uniforms
-from eaglespec.spec.sampling import row_probabilities
+from eaglespec.spec.rng import BONUS, DRAFT, draw, uniforms
+from eaglespec.spec.sampling import RowSampling, row_probabilities
 from eaglespec.spec.tree import acceptance_from_path
 
 from spec_helpers import (OracleProposer, RecordingEngine, check_stats, chi_square_pvalue, cut_at_eos, engine_tokens,
@@ -571,6 +571,118 @@ def test_engine_vanilla_sampling_matches_exact(small_target):
     assert chi_square_pvalue(counts, exact_sequence_probs(small_target, PROMPT, cfg, NEW))[0] > PASS_P
     other = exact_sequence_probs(small_target, PROMPT, SamplingConfig(temperature=0.8), NEW)
     assert chi_square_pvalue(counts, other)[0] < FAIL_P
+
+
+# --- sampled chain drafts (eagle2 with top-k 1 at T > 0) ------------------------------------------
+CHAIN = TreeConfig("eagle2", total_tokens=3, depth=2, top_k=1)
+
+
+def chain_engine(target, cfg: SamplingConfig, n: int, greedy_every: int = 0, fixed_shapes: bool = False):
+    """n sampled requests (seeds 0..) through a real (random) head with the chain tree, 8 rows a
+    step; every `greedy_every`-th request in between is greedy (a mixed batch). Returns (Counter
+    of the sampled outputs, accepted drafts of the sampled requests, the greedy requests)."""
+    head = init_random_head(target.config, seed=3)
+    engine = RecordingEngine(target, head, max_batch=8, fixed_shapes=fixed_shapes)
+    reqs, sampled, greedy = [], [], []
+    for s in range(n):
+        r = Request(PROMPT, "eagle2", CHAIN, dataclasses.replace(cfg, seed=s), NEW)
+        reqs.append(r)
+        sampled.append(r)
+        if greedy_every and s % greedy_every == 0:
+            greedy.append(Request(PROMPT, "eagle2", CHAIN, SamplingConfig(), NEW))
+            reqs.append(greedy[-1])
+    with single_thread():
+        for a in range(0, len(reqs), 64):
+            engine.run(reqs[a:a + 64])
+    counts = Counter(tuple(engine_tokens(r)) for r in sampled)
+    return counts, sum(sum(a - 1 for a in r.stats.accept_lengths) for r in sampled), greedy
+
+
+@pytest.mark.parametrize("cfg, greedy_every, fixed_shapes", [
+    (SamplingConfig(temperature=1.0), 0, False),
+    (SamplingConfig(temperature=0.8, top_k=5), 4, True),
+], ids=["t1", "t0.8-topk5-mixed-fixed"])
+def test_sampled_chain_lossless(small_target, cfg, greedy_every, fixed_shapes):
+    """Chain drafts sampled from the head's q and verified by min(1, p/q): the output is the
+    target's distribution, greedy rows in the same batch stay equal to greedy vanilla, and the
+    drafts are accepted often (sum(min(p, q)), not p(top-1))."""
+    expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
+    n = 1500
+    counts, accepted, greedy = chain_engine(small_target, cfg, n, greedy_every, fixed_shapes)
+    pval, stat, df = chi_square_pvalue(counts, expected)
+    assert df >= 15, df
+    assert pval > PASS_P, (stat, df)
+    assert accepted > 0.2 * n  # a random head's q, and still a fifth of the drafts pass
+    assert len(greedy) == (n + greedy_every - 1) // greedy_every if greedy_every else not greedy
+    want = vanilla(small_target, [PROMPT], [NEW])[0].tokens
+    assert all(engine_tokens(r) == want for r in greedy)
+
+
+def test_sampled_chain_drafts_come_from_q(small_target):
+    """The proposer's sampled chain: each drafted token is the draw of its DRAFT uniform from the
+    q stored for its parent, q is the head's distribution under the row's settings (zero outside
+    the draft vocabulary), the leaf row is empty, and a greedy row gets the top-1 chain."""
+    head = init_random_head(small_target.config, seed=3)
+    vocab = torch.tensor([0, 2, 3, 5, 7])
+    head.set_vocab(vocab)
+    p = Proposer(head, small_target, CHAIN)
+    assert p.samples_chain and p.budget == 3 and p.max_depth == 2
+    configs = [SamplingConfig(1.0, seed=7), SamplingConfig(), SamplingConfig(0.7, top_k=2, seed=8)]
+    sampling = RowSampling.from_configs(configs, "cpu")
+    b = len(configs)
+    cache = RowKVCache(head.cache_layers, head.config.num_kv_heads, head.config.head_dim, 16, b, head.fc.weight.dtype, "cpu")
+    tokens = torch.tensor([[1, 2, 3]] * b)
+    feats = torch.randn(b, 3, small_target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = p.commit(cache, torch.zeros(b, dtype=torch.long), tokens, feats, torch.full((b,), 3), 3 + 3)
+        step = torch.tensor([5, 5, 9])
+        tree = p.propose(cache, torch.tensor([4, 4, 4]), hidden, torch.full((b,), 3), 3 + p.scratch, sampling, step)
+        greedy = p.propose(cache, torch.tensor([4, 4, 4]), hidden, torch.full((b,), 3), 3 + p.scratch)
+    q = tree.draft_probs
+    assert q.shape == (b, 3, small_target.config.vocab_size)
+    assert torch.all(q[:, 2] == 0) and torch.allclose(q[:, :2].sum(-1), torch.ones(b, 2))
+    outside = torch.ones(small_target.config.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.all(q[:, :2, outside] == 0)
+    assert tree.parents.tolist() == [[-1, 0, 1]] * b
+    assert (q[2, :2] > 0).sum(-1).tolist() == [2, 2]  # the row's top-k 2 applies to q too
+    with torch.no_grad():
+        root_logits = torch.nn.functional.linear(hidden, small_target.lm_head.weight[vocab]).float()
+    assert torch.allclose(q[0, 0, vocab], root_logits[0].softmax(-1), atol=1e-5)
+    for r in (0, 2):
+        for d in (1, 2):
+            u = uniforms(sampling.seed[r:r + 1], step[r:r + 1], torch.tensor([d]), DRAFT)
+            assert int(tree.tokens[r, d]) == int(draw(q[r:r + 1, d - 1], u)[0])
+    assert tree.tokens[1].tolist() == greedy.tokens[1].tolist()  # the greedy row: the top-1 chain
+
+
+def test_sampled_eagle2_requests_default_to_a_chain(small_target):
+    """Without a tree, a sampled eagle2 request on a float target gets config.SAMPLED_TREE (a
+    chain: its drafts are sampled), a greedy one TreeConfig's default; quantised targets keep
+    QUANT_TREE either way, and eagle its static tree."""
+    assert default_tree("eagle2", "none", 0.7) == TreeConfig("eagle2", **SAMPLED_TREE)
+    assert SAMPLED_TREE["top_k"] == 1 and QUANT_TREE["top_k"] == 1
+    assert default_tree("eagle2", "none", 0.0) == default_tree("eagle2") == TreeConfig("eagle2")
+    assert default_tree("eagle2", "int4", 1.0) == default_tree("eagle2", "int4") == TreeConfig("eagle2", **QUANT_TREE)
+    assert default_tree("eagle", "none", 1.0) == TreeConfig("eagle")
+    engine = Engine(small_target, init_random_head(small_target.config, seed=3))
+    with single_thread():
+        sampled, greedy = engine.run([Request(PROMPT, "eagle2", None, SamplingConfig(1.0, seed=1), NEW),
+                                      Request(PROMPT, "eagle2", None, SamplingConfig(), NEW)])
+    assert sampled.tree == TreeConfig("eagle2", **SAMPLED_TREE) and greedy.tree == TreeConfig("eagle2")
+    assert engine.lanes[("eagle2", 3, 2, 1)].proposer.samples_chain
+
+
+def test_sampled_chain_statistic_has_power(small_target, monkeypatch):
+    """A wrong p/q rule for the sampled chain (after a rejection, draw from p instead of the
+    residual max(0, p - q)) is rejected by the same statistic. (Verifying the sampled tokens as
+    top-k drafts, accept with p(x), would not be wrong: that rule holds for any draft token.)"""
+    cfg = SamplingConfig(temperature=1.0)
+    expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
+    no_zeroing(monkeypatch)
+    counts, _, _ = chain_engine(small_target, cfg, 600)
+    pval, stat, df = chi_square_pvalue(counts, expected)
+    assert pval < FAIL_P, (stat, df)
 
 
 # --- regression: idle rows ------------------------------------------------------------------------------

@@ -38,9 +38,8 @@ class Case:
                 "stream_options": {"include_usage": True}}
 
     def alone(self, spec) -> tuple[str, int]:
-        tree = None
-        if self.method == "eagle2":
-            tree = TreeConfig("eagle2", *self.tree) if self.tree else TreeConfig("eagle2")
+        # No tree: the API's default, which depends on the temperature as the server's does.
+        tree = TreeConfig("eagle2", *self.tree) if self.method == "eagle2" and self.tree else None
         r = spec.generate([{"role": "user", "content": self.prompt}], method=self.method, tree=tree,
                           max_new_tokens=self.max_tokens,
                           sampling=SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed))

@@ -241,7 +241,7 @@ class EagleSpec:
             with self.engine.lock:
                 if self.head is None:
                     self.set_draft("default")
-            tree = tree or default_tree(method, self.target.quant)
+            tree = tree or default_tree(method, self.target.quant, (sampling or SamplingConfig()).temperature)
             if tree.method != method:
                 tree = TreeConfig(method=method, total_tokens=tree.total_tokens, depth=tree.depth,
                                   top_k=tree.top_k, choices=tree.choices)

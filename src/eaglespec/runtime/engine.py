@@ -337,7 +337,7 @@ class Engine:
         if req.method != "vanilla" and self.head is None:
             raise GenerationError(f"method {req.method} needs a draft head")
         if req.method != "vanilla" and req.tree is None:
-            req.tree = default_tree(req.method, getattr(self.target, "quant", "none"))
+            req.tree = default_tree(req.method, getattr(self.target, "quant", "none"), req.sampling.temperature)
         if req.sampling.seed is None and not req.sampling.greedy:
             # Fixed now, so that the request's random numbers do not depend on when it runs.
             req.sampling = SamplingConfig(req.sampling.temperature, req.sampling.top_k, req.sampling.top_p,

@@ -105,8 +105,9 @@ def create_app(spec: EagleSpec, settings: ServeSettings) -> FastAPI:
             raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
                            code="invalid_value") from None
 
-    def decoding(opts: SpecOptions | None) -> tuple[str, TreeConfig | None]:
-        """The method and tree of a request: its own `eaglespec` field over the server's defaults."""
+    def decoding(opts: SpecOptions | None, temperature: float) -> tuple[str, TreeConfig | None]:
+        """The method and tree of a request: its own `eaglespec` field over the server's defaults
+        (whose tree depends on whether the request samples: config.default_tree)."""
         opts = opts or SpecOptions()
         method = opts.method or settings.method
         sizes = {k: v for k in ("total_tokens", "depth", "top_k") if (v := getattr(opts, k)) is not None}
@@ -118,7 +119,7 @@ def create_app(spec: EagleSpec, settings: ServeSettings) -> FastAPI:
             raise ApiError(400, f"method {method} needs a draft head; this server has none (start it with --draft)",
                            param="eaglespec.method")
         base = settings.tree if settings.tree is not None and settings.tree.method == method else \
-            default_tree(method, spec.target.quant)
+            default_tree(method, spec.target.quant, temperature)
         if not sizes:
             return method, base
         return method, TreeConfig("eagle2", total_tokens=sizes.get("total_tokens", base.total_tokens),
@@ -128,7 +129,7 @@ def create_app(spec: EagleSpec, settings: ServeSettings) -> FastAPI:
         if body.model != settings.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
                            param="model", code="model_not_found")
-        method, tree = decoding(body.eaglespec)
+        method, tree = decoding(body.eaglespec, body.temperature)
         n, budget = len(ids), body.token_budget()
         if n == 0:
             raise ApiError(400, "the prompt is empty", param=prompt_param)

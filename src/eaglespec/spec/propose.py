@@ -14,6 +14,11 @@ A node attends to the committed slots, the scratch slots of its drafted ancestor
 
 Scratch layout: EAGLE-2 puts the K frontier nodes of depth d at s = (d - 1) * K + j; EAGLE-1 puts
 the layout's inner (non-leaf, non-root) nodes one after another, depth by depth.
+
+Drafts are the head's top-k tokens, which verification treats as q(x) = 1 (EAGLE-2). The one
+exception is an EAGLE-2 chain (top-k 1) for sampled rows: its shape does not depend on the drafted
+values, so its tokens are drawn from the head's distribution q and kept in `draft_probs` for the
+p/q rule, which accepts sum(min(p, q)) at each depth instead of p(top-1 token).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from ..kv_cache import RowKVCache, row_attention_mask
 from ..model import Transformer
 from ..tree import static_layout
 from .draft_quant import int8_head, int8_linear
+from .rng import DRAFT, draw, uniforms
+from .sampling import RowSampling, row_probabilities
 from .tree import BatchTree, ancestors_from_parents
 
 
@@ -72,7 +79,12 @@ class Proposer:
             self.max_depth = min(tree_cfg.depth, self.budget - 1)
             self.scratch = max(self.max_depth - 1, 0) * self.k
             self.max_children = self.k  # bounds sampling verification's sibling loop
+            # A chain (top-k 1) has a fixed shape, so sampled rows can draw its tokens from the
+            # head's distribution q and be verified by the p/q rule: acceptance sum(min(p, q)) at
+            # each depth instead of p(top-1 token), far higher where the target is uncertain.
+            self.samples_chain = self.k == 1 and self.max_depth >= 1
             return
+        self.samples_chain = False
         # EAGLE-1: a reduced vocabulary may hold fewer tokens than a node's rank asks for: drop such paths.
         layout = static_layout([c for c in tree_cfg.choices if max(c) < vocab])
         par, n = layout.parents, len(layout.parents)
@@ -134,16 +146,23 @@ class Proposer:
 
     # --- drafting ----------------------------------------------------------------------------
     def propose(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor, room: torch.Tensor,
-                view_len: int) -> BatchTree:
+                view_len: int, sampling: RowSampling | None = None, step: torch.Tensor | None = None) -> BatchTree:
         """A tree of `budget` nodes per row below root_token [B] (root_hidden [B, H]).
 
         room [B]: most nodes the row may hold (root included); nodes past it are marked invalid.
         view_len >= max(cache.lengths) + scratch. cache.lengths is left unchanged.
+        sampling, step [B] (the rows' settings and step counters): when some row samples and the
+        tree is a chain, its tokens are drawn from the head (`_sampled_chain`); else top-k drafts.
         """
         b, n = root_token.shape[0], self.budget
+        probs = None
         if n == 1:
             parents = torch.full((b, 1), -1, dtype=torch.long, device=root_token.device)
             tokens, (depth, ancestors) = root_token[:, None], ancestors_from_parents(parents, 0)
+        elif self.samples_chain and sampling is not None and not sampling.all_greedy:
+            tokens, probs = self._sampled_chain(cache, root_token, root_hidden, view_len, sampling, step)
+            parents = torch.arange(-1, n - 1, device=tokens.device).expand(b, n)
+            depth, ancestors = ancestors_from_parents(parents, self.max_depth)
         elif self.method == "eagle2":
             tokens, parents = self._dynamic(cache, root_token, root_hidden, view_len)
             depth, ancestors = ancestors_from_parents(parents, self.max_depth)
@@ -151,7 +170,7 @@ class Proposer:
             tokens = self._static(cache, root_token, root_hidden, view_len)
             parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in self._tree)
         valid = torch.arange(n, device=tokens.device)[None] < room[:, None]
-        return BatchTree(tokens, parents, depth, ancestors, valid, self.max_depth)
+        return BatchTree(tokens, parents, depth, ancestors, valid, self.max_depth, probs)
 
     def _top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T, H] -> the k best draft tokens per node: (log-probabilities [B, T, k] fp32, target ids).
@@ -160,6 +179,36 @@ class Proposer:
         lp = F.log_softmax(self._lm_head(self.head.readout(hidden)).float(), dim=-1)
         v, i = lp.topk(k, dim=-1)
         return v, self.head.to_target_ids(i)
+
+    def _sampled_chain(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor, view_len: int,
+                       sampling: RowSampling, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain of max_depth drafted tokens per row: sampled rows draw node d's token from
+        q = the head's distribution under the row's temperature / top-k / top-p (over the draft
+        vocabulary), with the uniform of (seed, step, node d, DRAFT); greedy rows take the top-1
+        token, as `_dynamic` does. Returns tokens [B, N] and draft_probs [B, N, V] fp32: row i
+        holds the q node i's child was drawn from (zeros at the leaf; unused for greedy rows)."""
+        b, dev = root_token.shape[0], root_token.device
+        vocab = self.target.config.vocab_size
+        tokens, probs = [root_token], []
+        hidden = root_hidden[:, None]  # [B, 1, H] the head's output at the newest node
+        anc = torch.zeros(b, 1, self.scratch, dtype=torch.bool, device=dev)
+        for d in range(1, self.max_depth + 1):
+            logits = self._lm_head(self.head.readout(hidden[:, 0])).float()  # [B, Vd]
+            q = row_probabilities(logits, sampling)  # [B, Vd]
+            node = torch.full((b,), d, dtype=torch.long, device=dev)
+            drawn = draw(q, uniforms(sampling.seed, step, node, DRAFT))
+            # Greedy rows: log-softmax's top-1, exactly `_top`'s choice (ties included).
+            top = F.log_softmax(logits, dim=-1).topk(1, dim=-1).indices[:, 0]
+            idx = torch.where(sampling.greedy, top, drawn)
+            tok = self.head.to_target_ids(idx)  # [B]
+            ids = self.head.to_target_ids(torch.arange(q.shape[1], device=dev)).expand(b, -1)
+            probs.append(torch.zeros(b, vocab, device=dev).scatter_(1, ids, q))
+            tokens.append(tok)
+            if d < self.max_depth:  # the leaf needs no head forward
+                anc = anc | (torch.arange(self.scratch, device=dev) == d - 1)  # | own slot
+                hidden = self._run(cache, tok[:, None], hidden, anc, d - 1, d, view_len)  # [B, 1, H]
+        probs.append(torch.zeros(b, vocab, device=dev))
+        return torch.stack(tokens, 1), torch.stack(probs, 1)
 
     def _run(self, cache: RowKVCache, tokens: torch.Tensor, parent_hidden: torch.Tensor, anc: torch.Tensor,
              first: int, depth: int, view_len: int) -> torch.Tensor:

@@ -11,9 +11,11 @@ import torch
 
 _MASK63 = (1 << 63) - 1
 
-# Purposes: separate streams for the accept tests and the bonus / plain draws.
+# Purposes: separate streams for the accept tests, the bonus / plain draws and sampled drafts
+# (at most 3: a purpose shares the node's two low bits).
 ACCEPT = 1
 BONUS = 2
+DRAFT = 3
 
 
 def _signed(x: int) -> int:

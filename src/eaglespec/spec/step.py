@@ -104,7 +104,7 @@ class SpecStep:
             tree = root_tree(s.root)
         else:
             room = (s.limit - t_len).clamp(min=1)
-            tree = self.proposer.propose(s.draft_cache, s.root, s.root_hidden, room, view_p)
+            tree = self.proposer.propose(s.draft_cache, s.root, s.root_hidden, room, view_p, sampling, s.step)
         if sync:
             sync()
         t1 = time.perf_counter()
