@@ -71,6 +71,7 @@ class Proposer:
             self._lm_head = int8_linear(self._lm)
         vocab = self._lm.shape[0]
         dev = head.fc.weight.device
+        self._draft_ids = head.to_target_ids(torch.arange(vocab, device=dev))  # [Vd] target id of each LM row
         if self.method == "eagle2":
             self.k = min(tree_cfg.top_k, vocab)
             pool = self.k + (tree_cfg.depth - 1) * self.k * self.k  # candidates a full expansion makes
@@ -172,11 +173,16 @@ class Proposer:
         valid = torch.arange(n, device=tokens.device)[None] < room[:, None]
         return BatchTree(tokens, parents, depth, ancestors, valid, self.max_depth, probs)
 
-    def _top(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] head outputs -> [..., Vd] fp32 draft logits."""
+        return self._lm_head(self.head.readout(hidden)).float()
+
+    def _top(self, hidden: torch.Tensor, k: int, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T, H] -> the k best draft tokens per node: (log-probabilities [B, T, k] fp32, target ids).
+        `logits`: the nodes' draft logits when the caller has them already.
 
         Log-softmax in fp32 (Drafter._top's): ranking by summed log-probabilities needs the precision."""
-        lp = F.log_softmax(self._lm_head(self.head.readout(hidden)).float(), dim=-1)
+        lp = F.log_softmax(self._logits(hidden) if logits is None else logits, dim=-1)
         v, i = lp.topk(k, dim=-1)
         return v, self.head.to_target_ids(i)
 
@@ -189,23 +195,22 @@ class Proposer:
         holds the q node i's child was drawn from (zeros at the leaf; unused for greedy rows)."""
         b, dev = root_token.shape[0], root_token.device
         vocab = self.target.config.vocab_size
+        ids = self._draft_ids.expand(b, -1)  # [B, Vd]
+        slots = torch.arange(self.scratch, device=dev)
         tokens, probs = [root_token], []
         hidden = root_hidden[:, None]  # [B, 1, H] the head's output at the newest node
         anc = torch.zeros(b, 1, self.scratch, dtype=torch.bool, device=dev)
         for d in range(1, self.max_depth + 1):
-            logits = self._lm_head(self.head.readout(hidden[:, 0])).float()  # [B, Vd]
+            logits = self._logits(hidden[:, 0])  # [B, Vd]
             q = row_probabilities(logits, sampling)  # [B, Vd]
             node = torch.full((b,), d, dtype=torch.long, device=dev)
-            drawn = draw(q, uniforms(sampling.seed, step, node, DRAFT))
-            # Greedy rows: log-softmax's top-1, exactly `_top`'s choice (ties included).
-            top = F.log_softmax(logits, dim=-1).topk(1, dim=-1).indices[:, 0]
-            idx = torch.where(sampling.greedy, top, drawn)
-            tok = self.head.to_target_ids(idx)  # [B]
-            ids = self.head.to_target_ids(torch.arange(q.shape[1], device=dev)).expand(b, -1)
+            drawn = self._draft_ids[draw(q, uniforms(sampling.seed, step, node, DRAFT))]
+            top = self._top(hidden, 1, logits[:, None])[1][:, 0, 0]  # greedy rows: `_dynamic`'s choice
+            tok = torch.where(sampling.greedy, top, drawn)  # [B] target ids
             probs.append(torch.zeros(b, vocab, device=dev).scatter_(1, ids, q))
             tokens.append(tok)
             if d < self.max_depth:  # the leaf needs no head forward
-                anc = anc | (torch.arange(self.scratch, device=dev) == d - 1)  # | own slot
+                anc = anc | (slots == d - 1)  # | own slot
                 hidden = self._run(cache, tok[:, None], hidden, anc, d - 1, d, view_len)  # [B, 1, H]
         probs.append(torch.zeros(b, vocab, device=dev))
         return torch.stack(tokens, 1), torch.stack(probs, 1)
