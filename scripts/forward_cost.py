@@ -61,6 +61,7 @@ def main() -> None:
         "bf16 int4, torch ops exact attention": ("int4", "vnni", "torch-exact"),
         "bf16 int4, torch kernels": ("int4", "torch", "exact"),
         "bf16 int8, torch kernels": ("int8", "torch", "exact"),
+        "bf16 int8a16": ("int8a16", "vnni", "exact"),
     }
     if args.arms:
         rows = {name: rows[name] for name in args.arms.split(";")}

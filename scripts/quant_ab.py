@@ -1,8 +1,10 @@
-"""bf16 float weights against --quant auto (the GGUF's 4-bit weights), vanilla and eagle2 with the
-shipped head, interleaved prompt by prompt in one process on MT-bench first turns. Prints tokens/s,
-ratios to bf16 vanilla, tau and whether each speculative answer equals its mode's vanilla.
+"""Quant modes side by side (default: bf16 float weights against --quant auto, the GGUF's 4-bit
+weights), vanilla and eagle2 with the shipped head, interleaved prompt by prompt in one process on
+MT-bench first turns, with llama.cpp on the same GGUF. Prints tokens/s, ratios to the first mode's
+vanilla, tau and whether each speculative answer equals its mode's vanilla.
 
   python scripts/quant_ab.py --data ../shared/data/mt_bench/question.jsonl --prompts 8 --max-new-tokens 256
+  python scripts/quant_ab.py --data ... --quants int4,int8a16 --trees 2,1,1 8,3,4 --no-llamacpp
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--trees", nargs="+", default=["8,3,4", "4,2,2"], help="eagle2 total_tokens,depth,top_k")
+    ap.add_argument("--quants", default="none,auto", help="modes to compare; ratios are to the first one's vanilla")
+    ap.add_argument("--no-llamacpp", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
-    engines = {q: EagleSpec.load(dtype="bf16", draft="default", quant=q) for q in ("none", "auto")}
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1)
+    quants = args.quants.split(",")
+    engines = {q: EagleSpec.load(dtype="bf16", draft="default", quant=q) for q in quants}
     lines = [x for x in Path(args.data).read_text().splitlines() if x.strip()][: args.prompts]
     arms = [(q, None) for q in engines] + [(q, t) for q in engines for t in args.trees]
-    llamacpp, note = load_llamacpp(engines["auto"], 4096)  # a child process: a crash is reported
+    first = engines[quants[0]]
+    llamacpp, note = (None, "llama.cpp not run (--no-llamacpp)") if args.no_llamacpp else load_llamacpp(first, 4096)
     if llamacpp is None:
         print(f"# {note}")
     else:
@@ -42,7 +48,7 @@ def main() -> None:
         order = arms[j % len(arms):] + arms[: j % len(arms)]  # rotate to spread drift
         answers = {}
         for quant, tree in order:
-            e = engines["auto" if quant == "llamacpp" else quant]
+            e = first if quant == "llamacpp" else engines[quant]
             ids = e.encode(json.loads(line)["turns"][0])[1]
             if quant == "llamacpp":
                 try:
@@ -68,11 +74,11 @@ def main() -> None:
             s[2] += r.stats.steps
             answers[(quant, tree)] = list(r.pending_tokens)
         for quant, tree in [a for a in arms if a in answers]:
-            stats[(quant, tree)][3] += answers[(quant, tree)] == answers[("auto" if quant == "llamacpp" else quant, None)]
-    base = stats[("none", None)][0] / stats[("none", None)][1]
+            stats[(quant, tree)][3] += answers[(quant, tree)] == answers[(quants[0] if quant == "llamacpp" else quant, None)]
+    base = stats[(quants[0], None)][0] / stats[(quants[0], None)][1]
     print(f"{len(lines)} MT-bench first turns, {args.max_new_tokens} new tokens, bf16, {torch.get_num_threads()} threads")
-    print("| quant | method (tree) | tokens/s | x bf16 vanilla | x same-quant vanilla | tau | identical to its vanilla |")
-    # llama.cpp's row: "same-quant vanilla" is itself; "identical" compares with our int4 vanilla.
+    print(f"| quant | method (tree) | tokens/s | x {first.target.quant} vanilla | x same-quant vanilla | tau | identical to its vanilla |")
+    # llama.cpp's row: "same-quant vanilla" is itself; "identical" compares with the first mode's vanilla.
     print("|---|---|---|---|---|---|---|")
     for quant, tree in arms:
         tok, sec, steps, same = stats[(quant, tree)]

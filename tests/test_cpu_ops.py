@@ -133,3 +133,27 @@ def test_rms_norm_and_rope_match_torch():
     torch.testing.assert_close(got_rope.float(), exact, rtol=2 ** -8, atol=1e-6)
     torch.testing.assert_close(want_rope.float(), exact, rtol=0.1, atol=0.02)
     assert not torch.equal(got_norm, want_norm) or not torch.equal(got_rope, want_rope), "the kernels did not run"
+
+
+def test_rope_rounds_to_nearest_even_bit_for_bit():
+    """The kernels' vector rounding to bf16 (vec.h bf16_bits) is torch's, ties and infinities
+    included: rope's fp32 result (no fused multiply-adds) rounded by torch equals the kernel's bits.
+    NaN stays NaN (the kernel writes c10's 0x7fc0; torch's vector path keeps the payload)."""
+    if ops_kernel() is None:
+        pytest.skip("the ops kernel could not be built here")
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 40, 64, generator=g).bfloat16()
+    q[0, 0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0])
+    # cos = 1, sin = 0 on the first positions: outputs are the inputs' exact fp32 products, so
+    # values exactly between two bf16 numbers (ties) come from the 2^-9-scaled tables below
+    cos = torch.randn(1, 1, 40, 64, generator=g).bfloat16()
+    sin = torch.randn(1, 1, 40, 64, generator=g).bfloat16()
+    cos[..., :8, :] = 1 + 2 ** -7
+    sin[..., :8, :] = 0
+    got = ops_kernel().rope(q, cos, sin)
+    qf, cf, sf = q.float(), cos.float(), sin.float()
+    x1, x2 = qf[..., :32], qf[..., 32:]
+    want = torch.cat([x1 * cf[..., :32] - x2 * sf[..., :32], x2 * cf[..., 32:] + x1 * sf[..., 32:]], -1).bfloat16()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and int(nan.sum()) == 4  # the NaN input twice, inf * sin 0 twice
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])

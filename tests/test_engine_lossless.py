@@ -196,7 +196,7 @@ def test_greedy_lossless_fuzz():
         assert seen[key] > 0, (key, seen)
 
 
-@pytest.mark.parametrize("quant", ["int4", "int8"])
+@pytest.mark.parametrize("quant", ["int4", "int8", "int8a16"])
 def test_greedy_lossless_fuzz_default_cpu_mode(quant):
     """The same fuzz in bf16 with quantised linears (the CPU default, which claims exactness like
     fp32): every request's output equals vanilla token for token."""

@@ -83,7 +83,9 @@ def test_int4_from_float_error_is_within_half_a_step():
 def test_mode_rules():
     assert resolve_quant("auto", "cpu", torch.bfloat16, "Q4_1") == "int4"
     assert resolve_quant("auto", "cpu", torch.bfloat16, "Q4_0") == "int4"
-    assert resolve_quant("auto", "cpu", torch.bfloat16, "Q8_0") == "int8"
+    assert resolve_quant("auto", "cpu", torch.bfloat16, "Q8_0", amx=False) == "int8"
+    assert resolve_quant("auto", "cpu", torch.bfloat16, "Q8_0", amx=True) == "int8a16"  # AMX: trees cost little
+    assert resolve_quant("auto", "cpu", torch.bfloat16, "Q4_1", amx=True) == "int4"
     assert resolve_quant("auto", "cpu", torch.bfloat16, None) == "none"  # safetensors stay float
     assert resolve_quant("auto", "cpu", torch.bfloat16, "Q6_K") == "none"
     assert resolve_quant("auto", "cpu", torch.float32, "Q4_1") == "none"  # the kernels' fp32 path is slow
@@ -102,7 +104,7 @@ def quant_tiny():
     return tiny_model(cfg, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("mode", ["int4", "int8", "int8a16"])
 def test_quantize_model_swaps_linears_and_stays_close(mode):
     ref = quant_tiny()
     model = quantize_model(quant_tiny(), mode)
@@ -143,7 +145,7 @@ def greedy_ids(model, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("mode", ["int4", "int8", "int8a16"])
 def test_default_model_greedy_tokens_match_the_float_reference(mode):
     """Teacher-forced on the fp32 reference's own greedy continuation: logits stay within the mode's
     error (measured max |delta logit| 1.45 for int4, 1.87 for int8: per-row int8 of 4-bit weights

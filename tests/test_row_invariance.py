@@ -1,5 +1,5 @@
 """Row invariance: a row's output is bitwise the same alone or computed with up to 63 other rows or
-tree nodes. Greedy speculative output equals vanilla in bf16 (quant int4 / int8) because of this."""
+tree nodes. Greedy speculative output equals vanilla in bf16 (quant int4 / int8 / int8a16) because of this."""
 
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8a16"])
 def test_quantised_linear_rows_are_invariant(shape, kind):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*shape, generator=g) * 0.05
-    lin = Int4Linear(int4_from_float(w), None, torch.bfloat16) if kind == "int4" else Int8Linear(w.bfloat16(), None)
+    lin = (Int4Linear(int4_from_float(w), None, torch.bfloat16) if kind == "int4"
+           else Int8Linear(w.bfloat16(), None, acts="a16" if kind == "int8a16" else "a8"))
     x = torch.randn(64, shape[1], generator=g).bfloat16()
     alone = torch.cat([lin(x[i:i + 1]) for i in range(64)])
     for m in (2, 3, 7, 8, 15, 16, 17, 31, 33, 64):
@@ -103,7 +104,7 @@ def test_rmsnorm_and_rope_rows_are_invariant(which):
 
 
 @pytest.mark.parametrize("which", ["ours", "torch"])
-@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("mode", ["int4", "int8", "int8a16"])
 def test_tree_forward_equals_decoding_each_path(mode, which, monkeypatch):
     """The whole target in bf16: logits of a random 20-node tree scored in one forward equal,
     bit for bit, each node's logits when its path is decoded one token at a time."""

@@ -33,8 +33,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_quant_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default="auto", choices=list(QUANT_MODES),
-                   help="target linear layers on a CPU in bf16: auto keeps a GGUF's 4-bit (int4) or 8-bit (int8) "
-                        "weights quantised and float checkpoints float; none: dequantised float weights")
+                   help="target linear layers on a CPU in bf16: auto keeps a GGUF's 4-bit (int4) or 8-bit (int8; "
+                        "int8a16 where the CPU has AMX) weights quantised and float checkpoints float; "
+                        "int8a16: int8 weights, 16-bit activations, trees nearly free on AMX; "
+                        "none: dequantised float weights")
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:

@@ -325,7 +325,7 @@ SAMPLED_TREE = {"total_tokens": 3, "depth": 2, "top_k": 1}
 def default_tree(method: str, quant: str = "none", temperature: float = 0.0) -> TreeConfig:
     """The tree a request gets when it names none: QUANT_TREE for eagle2 on quantised targets,
     SAMPLED_TREE for sampled eagle2 requests on float ones, else TreeConfig's defaults."""
-    if method == "eagle2" and quant in ("int4", "int8"):
+    if method == "eagle2" and quant in ("int4", "int8"):  # int8a16: trees cost little on AMX (quant.py)
         return TreeConfig(method, **QUANT_TREE)
     if method == "eagle2" and temperature > 0:
         return TreeConfig(method, **SAMPLED_TREE)

@@ -30,12 +30,17 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = {"int4": [CSRC / "int4_gemm.cpp"], "int8": [CSRC / "int8_gemm.cpp"]}  # each includes common.h
+SOURCES = {"int4": [CSRC / "int4_gemm.cpp"], "int8": [CSRC / "int8_gemm.cpp"],
+           "int8a16": [CSRC / "int8_a16_gemm.cpp"]}  # each includes common.h
 OPS_SOURCES = [CSRC / "ops.cpp", CSRC / "attention.cpp", CSRC / "norm_rope.cpp"]
 # Only the ISA the kernels need: not -march=native, so one build serves any CPU that has these.
 # -ffp-contract=off: no fused multiply-adds, so the fp32 steps are the ones the tests reproduce.
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
 ISA = ("avx512_f", "avx512_bw", "avx512_vnni")
+# The W8A16 kernel's tile path is compiled in only where the CPU has AMX-INT8 (and runs only once
+# Linux has granted the tile state: `amx_tiles`); elsewhere the same source builds its VNNI path.
+AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]
+AMX_ISA = ("amx_tile", "amx_int8")
 
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -126,6 +131,31 @@ def _vnni(kind: str) -> ModuleType | None:
     return _kernel(kind, SOURCES[kind], (lambda: FLAGS) if runs else None, f"torch's {kind} kernel")
 
 
+def int8_a16_kernel() -> ModuleType | None:
+    """The W8A16 kernel module (`int8_a16_gemm(x, codes, wscale, amx)`, `amx_ready()`), or None
+    as `int4_kernel`. Built with AMX where the CPU has it; if that build fails, without."""
+    kind = "int8a16"
+    if kind in _loaded:
+        return _loaded[kind]
+    features = cpu_features()
+    if set(AMX_ISA) <= features and set(ISA) <= features and os.environ.get("EAGLESPEC_KERNELS", "1") != "0":
+        try:
+            _loaded[kind] = _build(f"eaglespec_{kind}", SOURCES[kind], FLAGS + AMX_FLAGS)
+            return _loaded[kind]
+        except Exception as e:  # an old compiler without AMX intrinsics: the VNNI path still serves
+            log.warning("eaglespec: could not build the int8a16 kernel with AMX (%s); building it without", _why(e))
+    return _vnni(kind)
+
+
+def amx_tiles() -> bool:
+    """Whether the W8A16 kernel runs on AMX tiles here (`EAGLESPEC_AMX=0` turns them off: the
+    VNNI path gives the same bits, more slowly from a few rows on)."""
+    if os.environ.get("EAGLESPEC_AMX", "1") == "0":
+        return False
+    mod = int8_a16_kernel()
+    return bool(mod is not None and mod.amx_ready())  # asks Linux once per process (the kernel caches it)
+
+
 def int4_kernel() -> ModuleType | None:
     """The W4A8 VNNI kernel module (`int4_gemm(x, codes, params)`), or None where it cannot run:
     `EAGLESPEC_KERNELS=0`, a CPU without AVX512-VNNI (silently) or a failed build (one warning)."""
@@ -153,9 +183,10 @@ def ops_kernel() -> ModuleType | None:
 GROUP, TILE = 32, 16  # inputs per scale; outputs per kernel tile
 
 
-def kernel_fits(out_features: int, in_features: int) -> bool:
-    """Shapes both VNNI kernels take: whole tiles of 16 outputs, whole groups of 32 inputs."""
-    return out_features % TILE == 0 and in_features % GROUP == 0
+def kernel_fits(out_features: int, in_features: int, a16: bool = False) -> bool:
+    """Shapes the VNNI kernels take: whole tiles of 16 outputs, whole groups of 32 inputs (the
+    W8A16 kernel, `a16`: whole blocks of 64 inputs, an AMX tile's row)."""
+    return out_features % TILE == 0 and in_features % (2 * GROUP if a16 else GROUP) == 0
 
 
 def int4_kernel_params(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,10 +9,15 @@ default model). The modes:
   quantised on load (asymmetric min/max per group).
 - `int8`: per-output-row symmetric int8, run by the package's W8A8 kernel (csrc/int8_gemm.cpp)
   where it builds, else `_weight_int8pack_mm`.
+- `int8a16`: the same int8 weights, with each activation row rounded to 16-bit integers under one
+  scale (csrc/int8_a16_gemm.cpp). A row's product is then one exact integer sum, which AMX tiles
+  compute for up to 16 rows at about the cost of one: a verified tree costs little more than a
+  decode. On CPUs without AMX the same numbers run on VNNI (slower than `int8` from a few rows).
+  Output quality: top-1 agreement with the fp32 model 0.964 (int4 0.968, int8 0.952; README).
 - `none`: the float weights in the model's dtype (in bf16 on a CPU packed once for oneDNN:
   packed.py).
-- `auto`: keep a GGUF's 4-bit (int4) or 8-bit (int8) linears quantised; float checkpoints stay
-  float. Only on a CPU in bf16: the kernels' fp32 paths are many times slower than a float matmul
+- `auto`: keep a GGUF's 4-bit (int4) or 8-bit (int8; `int8a16` on a CPU with AMX-INT8) linears
+  quantised; float checkpoints stay float. Only on a CPU in bf16: the kernels' fp32 paths are many times slower than a float matmul
   (measured 90-190 ms for what bf16 does in 7-29 ms), and their CUDA packing differs.
 
 All these kernels are row-invariant (a row's output does not depend on the other rows computed
@@ -35,7 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
-QUANT_MODES = ("auto", "none", "int8", "int4")
+QUANT_MODES = ("auto", "none", "int8", "int4", "int8a16")
+INT_MODES = ("int4", "int8", "int8a16")  # the row-invariant integer modes
 GROUP = 32  # weights per scale in the int4 layout (a GGUF block)
 # Which kernels new Int4Linear / Int8Linear layers use: "vnni" (the package's W4A8 / W8A8 kernel
 # where it builds and the shape fits, else torch's) or "torch". Read when a layer is built; for
@@ -162,27 +168,32 @@ def quantize_rows_int8(weight: torch.Tensor, rows: int = 4096) -> tuple[torch.Te
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W as per-row symmetric int8, run by one of two kernels (`self.kernel`):
+    """y = x W^T (+ b) with W as per-row symmetric int8, run by one of three kernels (`self.kernel`):
     - "vnni" (eaglespec.kernels, bf16 only, N % 16 == 0, K % 32 == 0): activations rounded to int8
       per row per group of 32, integer products, row scales in fp32;
+    - "a16" (`acts="a16"`, K % 64 == 0 too): activations rounded to 16-bit integers per row,
+      integer products on AMX tiles or VNNI (`self.amx`), the same bits either way;
     - "torch" (`_weight_int8pack_mm`): bf16 activations, row scales rounded to bf16.
 
     keep_weight: keep a reference to the float weight as `.weight` for code that reads it (the
     drafter reads the target's LM head; a tied head shares the embedding, so it costs nothing).
-    kernel: "vnni" or "torch"; None reads `INT8_KERNEL` ("vnni" falls back as in Int4Linear)."""
+    kernel: "vnni" or "torch"; None reads `INT8_KERNEL` ("vnni" falls back as in Int4Linear).
+    acts: "a8" (the "vnni" kernel) or "a16"."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False,
-                 kernel: str | None = None) -> None:
+                 kernel: str | None = None, acts: str = "a8") -> None:
         super().__init__()
         from eaglespec import kernels
 
         self.out_features, self.in_features = weight.shape
         q, scales = quantize_rows_int8(weight)
-        self._vnni = None
+        self._vnni, self.amx = None, False
+        a16 = acts == "a16"
         if ((kernel or INT8_KERNEL) == "vnni" and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-                and kernels.kernel_fits(self.out_features, self.in_features)):
-            self._vnni = kernels.int8_kernel()
-        self.kernel = "torch" if self._vnni is None else "vnni"
+                and kernels.kernel_fits(self.out_features, self.in_features, a16=a16)):
+            self._vnni = kernels.int8_a16_kernel() if a16 else kernels.int8_kernel()
+            self.amx = a16 and self._vnni is not None and kernels.amx_tiles()
+        self.kernel = "torch" if self._vnni is None else "a16" if a16 else "vnni"
         if self._vnni is not None:
             self.codes, self.wscale = kernels.pack_int8(q, scales)
         else:
@@ -193,7 +204,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features).contiguous()
-        if self._vnni is not None:
+        if self.kernel == "a16":
+            y = self._vnni.int8_a16_gemm(x2, self.codes, self.wscale, self.amx)
+        elif self._vnni is not None:
             y = self._vnni.int8_gemm(x2, self.codes, self.wscale)
         else:
             y = torch._weight_int8pack_mm(x2, self.q, self.scales)
@@ -205,14 +218,17 @@ def check_quant(mode: str, device: torch.device | str, dtype: torch.dtype) -> No
     """Refuse a mode that cannot run on this device / dtype, naming what would."""
     if mode not in QUANT_MODES:
         raise QuantError(f"--quant must be one of {', '.join(QUANT_MODES)}, got {mode!r}")
-    if mode in ("int4", "int8") and (torch.device(device).type != "cpu" or dtype != torch.bfloat16):
+    if mode in INT_MODES and (torch.device(device).type != "cpu" or dtype != torch.bfloat16):
         raise QuantError(f"--quant {mode} runs on a CPU in bf16 (got {torch.device(device).type}, "
                          f"{str(dtype).removeprefix('torch.')}); use --quant none there")
 
 
-def resolve_quant(mode: str, device: torch.device | str, dtype: torch.dtype, gguf_kind: str | None) -> str:
+def resolve_quant(mode: str, device: torch.device | str, dtype: torch.dtype, gguf_kind: str | None,
+                  amx: bool | None = None) -> str:
     """`auto` -> a concrete mode. gguf_kind: the GGUF linears' block type (e.g. 'Q4_1'), None for
-    float checkpoints."""
+    float checkpoints. amx: whether the W8A16 kernel runs on AMX tiles here (None: ask
+    kernels.amx_tiles). An 8-bit GGUF gets `int8a16` there: as fast as `int8` for a decode, much
+    cheaper for a tree, and closer to the float model (README, "int8a16")."""
     check_quant(mode, device, dtype)
     if mode != "auto":
         return mode
@@ -221,7 +237,11 @@ def resolve_quant(mode: str, device: torch.device | str, dtype: torch.dtype, ggu
     if gguf_kind in ("Q4_0", "Q4_1"):
         return "int4"
     if gguf_kind == "Q8_0":
-        return "int8"
+        if amx is None:
+            from . import kernels
+
+            amx = kernels.amx_tiles()
+        return "int8a16" if amx else "int8"
     return "none"
 
 
@@ -239,7 +259,8 @@ def layer_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 def quantize_model(model: nn.Module, mode: str,
                    int4_weights: dict[str, Int4Weights | Callable[[], Int4Weights]] | None = None) -> nn.Module:
-    """Replace the target's linear layers (and LM head) in place for `mode` ('none', 'int8', 'int4').
+    """Replace the target's linear layers (and LM head) in place for `mode` ('none', 'int8', 'int4',
+    'int8a16').
 
     int4_weights: module path -> codes taken from the checkpoint as they are (a GGUF's blocks), or
     a function that unpacks them when their layer's turn comes (entries are removed as they are
@@ -253,30 +274,31 @@ def quantize_model(model: nn.Module, mode: str,
         pack_linears(model)  # bf16 on a CPU: weights packed once for oneDNN (packed.py)
         return model
     dtype = model.dtype
+    acts = "a16" if mode == "int8a16" else "a8"  # the int8 products' activations (Int8Linear)
     for path, lin in layer_linears(model):
         given = (int4_weights or {}).pop(path, None)  # popped: its blocks go once packed
         if mode == "int4" and (given is not None or int4_fits(lin.out_features, lin.in_features)):
             w = int4_from_float(lin.weight) if given is None else given() if callable(given) else given
             set_submodule(model, path, Int4Linear(w, lin.bias, dtype))
         elif int8_fits(lin.in_features) and lin.weight.device.type != "meta":
-            set_submodule(model, path, Int8Linear(lin.weight, lin.bias))
+            set_submodule(model, path, Int8Linear(lin.weight, lin.bias, acts=acts))
     head = model.lm_head
     if int8_fits(head.in_features) and head.weight.device.type != "meta":
         # The tied embedding keeps its float table for lookups; only the product reads int8.
-        model.lm_head = Int8Linear(head.weight, head.bias, keep_weight=True)
+        model.lm_head = Int8Linear(head.weight, head.bias, keep_weight=True, acts=acts)
     return model
 
 
 def greedy_exact(model: nn.Module) -> bool:
     """Whether greedy speculative output is guaranteed token-identical to vanilla for this target:
     fp32 (tested since the first release), or a CPU target whose linears all run the row-invariant
-    int4 / int8 kernels (with the row-invariant decode attention, for trees up to
+    int4 / int8 / int8a16 kernels (with the row-invariant decode attention, for trees up to
     attention.DECODE_ROWS nodes). bf16 `none` is not: oneDNN's bf16 product changes its blocking
     above ~14 rows for some shapes (measured: the 1536-wide down projection), so a large tree can
     round a near-tie apart."""
     if model.dtype == torch.float32:
         return True
-    if model.device.type != "cpu" or getattr(model, "quant", "none") not in ("int4", "int8"):
+    if model.device.type != "cpu" or getattr(model, "quant", "none") not in INT_MODES:
         return False
     # A linear the kernels could not take (an odd width, an MoE router) stays a float nn.Linear,
     # whose product is not row-invariant: then the guarantee does not hold.

@@ -35,9 +35,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
       }
       const float inv = 1.f / std::sqrt(lane_sum(ss) / static_cast<float>(H) + static_cast<float>(eps));
       for (int64_t c = 0; c < H; c += LANES) {
-        f32x16 n = load_bf16(xr + c) * inv;
-        for (int l = 0; l < LANES; ++l) n[l] = static_cast<float>(c10::BFloat16(n[l]));
-        store_bf16(yp + r * H + c, load_bf16(wp + c) * n);
+        store_bf16(yp + r * H + c, load_bf16(wp + c) * round_bf16(load_bf16(xr + c) * inv));
       }
     }
   });

@@ -28,8 +28,27 @@ inline f32x16 load_bf16(const c10::BFloat16* p) {
   return f;
 }
 
+// v rounded to bf16 (nearest even; NaN -> the quiet NaN 0x7fc0), as the fp32 bits of the result:
+// c10::BFloat16(float)'s rounding, lane by lane, in vector integer operations (a scalar
+// conversion per lane cost about as much as the arithmetic around it).
+inline u32x16 bf16_bits(f32x16 v) {
+  u32x16 b;
+  std::memcpy(&b, &v, sizeof(b));
+  const u32x16 rounded = (b + (0x7fffu + ((b >> 16) & 1u))) & 0xffff0000u;
+  const u32x16 nan = (u32x16)(v != v);  // all ones where NaN
+  return (rounded & ~nan) | (0x7fc00000u & nan);
+}
+
+inline f32x16 round_bf16(f32x16 v) {
+  const u32x16 b = bf16_bits(v);
+  f32x16 f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
 inline void store_bf16(c10::BFloat16* p, f32x16 v) {
-  for (int l = 0; l < LANES; ++l) p[l] = c10::BFloat16(v[l]);  // rounds to nearest even
+  const u16x16 h = __builtin_convertvector(bf16_bits(v) >> 16, u16x16);
+  std::memcpy(p, &h, sizeof(h));
 }
 
 inline float lane_sum(f32x16 v) {
