@@ -665,6 +665,8 @@ def test_sampled_eagle2_requests_default_to_a_chain(small_target):
     assert default_tree("eagle2", "none", 0.0) == default_tree("eagle2") == TreeConfig("eagle2")
     assert default_tree("eagle2", "int4", 1.0) == default_tree("eagle2", "int4") == TreeConfig("eagle2", **QUANT_TREE)
     assert default_tree("eagle", "none", 1.0) == TreeConfig("eagle")
+    assert default_tree("eagle2", "int8a16") == TreeConfig("eagle2")  # AMX: a tree costs about a decode
+    assert default_tree("eagle2", "int8a16", 1.0) == TreeConfig("eagle2", **QUANT_TREE)
     engine = Engine(small_target, init_random_head(small_target.config, seed=3))
     with single_thread():
         sampled, greedy = engine.run([Request(PROMPT, "eagle2", None, SamplingConfig(1.0, seed=1), NEW),

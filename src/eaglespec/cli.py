@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .config import MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_TREE_TOPK, QUANT_TREE, SamplingConfig, TreeConfig
+from .config import MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_TREE_TOPK, QUANT_TREE, SAMPLED_TREE, SamplingConfig, TreeConfig
 from .files import read_text_limited
 from .quant import QUANT_MODES
 from .runtime.request import GenerationError, check_text
@@ -53,7 +53,8 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     # Default None: an option given where it does not apply is refused, not silently ignored.
     p.add_argument("--total-tokens", type=int, default=None,
                    help=f"eagle2 tree size incl. root, 1..{MAX_TREE_TOKENS} (default {d.total_tokens}; "
-                        f"{QUANT_TREE['total_tokens']} under --quant int4/int8)")
+                        f"{QUANT_TREE['total_tokens']} under --quant int4/int8 and sampled int8a16, "
+                        f"{SAMPLED_TREE['total_tokens']} for sampled float targets)")
     p.add_argument("--depth", type=int, default=None,
                    help=f"eagle2 drafting depth, 1..{MAX_TREE_DEPTH} (default {d.depth}; {QUANT_TREE['depth']} quantised)")
     p.add_argument("--topk", type=int, default=None,
