@@ -157,3 +157,16 @@ def test_rope_rounds_to_nearest_even_bit_for_bit():
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and int(nan.sum()) == 4  # the NaN input twice, inf * sin 0 twice
     assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+def test_pinned_ops_read_the_environment_once(monkeypatch):
+    """Inside kernels.pinned_ops() (a model forward), ops_kernel() keeps its answer from entry;
+    outside, EAGLESPEC_KERNELS=0 takes effect at the next call."""
+    from eaglespec import kernels
+
+    monkeypatch.delenv("EAGLESPEC_KERNELS", raising=False)
+    first = ops_kernel()
+    with kernels.pinned_ops():
+        monkeypatch.setenv("EAGLESPEC_KERNELS", "0")
+        assert ops_kernel() is first
+    assert ops_kernel() is None

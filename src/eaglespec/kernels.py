@@ -22,8 +22,10 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -174,10 +176,29 @@ def ops_flags(features: set[str]) -> list[str]:
     return ["-O3", "-ffp-contract=off", *isa]
 
 
+_UNPINNED = object()
+_pinned_ops: ContextVar = ContextVar("eaglespec_pinned_ops", default=_UNPINNED)
+
+
 def ops_kernel() -> ModuleType | None:
     """The per-token bf16 CPU ops (`decode_attention`, `rms_norm`, `rope`; csrc/ops.h), or None:
-    `EAGLESPEC_KERNELS=0` or a failed build (one warning); callers keep their torch ops."""
+    `EAGLESPEC_KERNELS=0` or a failed build (one warning); callers keep their torch ops. Inside
+    `pinned_ops()` the answer given on entry (a forward asks about 160 times)."""
+    pinned = _pinned_ops.get()
+    if pinned is not _UNPINNED:
+        return pinned
     return _kernel("ops", OPS_SOURCES, lambda: ops_flags(cpu_features()), "torch ops")
+
+
+@contextmanager
+def pinned_ops() -> Iterator[None]:
+    """Within: ops_kernel() answers as it did on entry, without reading the environment again
+    (reading `EAGLESPEC_KERNELS` per op cost about 4% of a decode step)."""
+    token = _pinned_ops.set(ops_kernel())
+    try:
+        yield
+    finally:
+        _pinned_ops.reset(token)
 
 
 GROUP, TILE = 32, 16  # inputs per scale; outputs per kernel tile

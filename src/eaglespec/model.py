@@ -25,7 +25,7 @@ from torch import nn
 
 from .attention import attend
 from .config import ModelConfig
-from .kernels import ops_kernel
+from .kernels import ops_kernel, pinned_ops
 from .kv_cache import KVCache
 
 
@@ -308,13 +308,14 @@ class Transformer(nn.Module):
         if self.config.embed_scale:  # Gemma: sqrt(hidden), rounded to the model dtype as transformers does
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         hidden: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if i in hidden_layers:
-                hidden[i] = x
-            c, s = local if self.config.layer_window(i) else (cos, sin)
-            x = layer(x, c, s, cache, i, masks[i])
-        cache.advance(t)
-        feats = self.norm(x)
+        with pinned_ops():  # one look at EAGLESPEC_KERNELS for the layers' ~160 ops, not one each
+            for i, layer in enumerate(self.layers):
+                if i in hidden_layers:
+                    hidden[i] = x
+                c, s = local if self.config.layer_window(i) else (cos, sin)
+                x = layer(x, c, s, cache, i, masks[i])
+            cache.advance(t)
+            feats = self.norm(x)
         if isinstance(logits_for, torch.Tensor):
             logits = self.logits(feats[:, logits_for])
         elif logits_for == "all":
