@@ -21,9 +21,9 @@ import os
 import shutil
 import sys
 import tempfile
-from pathlib import Path
 from contextlib import contextmanager
 from contextvars import ContextVar
+from pathlib import Path
 from types import ModuleType
 from typing import Callable, Iterator
 
@@ -137,15 +137,11 @@ def int8_a16_kernel() -> ModuleType | None:
     """The W8A16 kernel module (`int8_a16_gemm(x, codes, wscale, amx)`, `amx_ready()`), or None
     as `int4_kernel`. Built with AMX where the CPU has it; if that build fails, without."""
     kind = "int8a16"
-    if kind in _loaded:
-        return _loaded[kind]
-    features = cpu_features()
-    if set(AMX_ISA) <= features and set(ISA) <= features and os.environ.get("EAGLESPEC_KERNELS", "1") != "0":
-        try:
-            _loaded[kind] = _build(f"eaglespec_{kind}", SOURCES[kind], FLAGS + AMX_FLAGS)
-            return _loaded[kind]
-        except Exception as e:  # an old compiler without AMX intrinsics: the VNNI path still serves
-            log.warning("eaglespec: could not build the int8a16 kernel with AMX (%s); building it without", _why(e))
+    if kind not in _loaded and set(ISA) | set(AMX_ISA) <= cpu_features():
+        mod = _kernel(kind, SOURCES[kind], lambda: FLAGS + AMX_FLAGS, "a build without AMX")
+        if mod is not None:
+            return mod
+        _loaded.pop(kind, None)  # the AMX build failed (an old compiler): the VNNI path still serves
     return _vnni(kind)
 
 

@@ -17,8 +17,9 @@ default model). The modes:
 - `none`: the float weights in the model's dtype (in bf16 on a CPU packed once for oneDNN:
   packed.py).
 - `auto`: keep a GGUF's 4-bit (int4) or 8-bit (int8; `int8a16` on a CPU with AMX-INT8) linears
-  quantised; float checkpoints stay float. Only on a CPU in bf16: the kernels' fp32 paths are many times slower than a float matmul
-  (measured 90-190 ms for what bf16 does in 7-29 ms), and their CUDA packing differs.
+  quantised; float checkpoints stay float. Only on a CPU in bf16: the kernels' fp32 paths are
+  many times slower than a float matmul (measured 90-190 ms for what bf16 does in 7-29 ms), and
+  their CUDA packing differs.
 
 All these kernels are row-invariant (a row's output does not depend on the other rows computed
 with it; tests/test_row_invariance.py), which is what lets a verified tree reproduce plain
