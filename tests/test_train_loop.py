@@ -455,6 +455,56 @@ def test_cli_init_head_starts_from_a_saved_head(tmp_path, tiny_chat_checkpoint, 
     assert "is an EAGLE-1/2 head; pass --head eagle to train it" in capsys.readouterr().err
 
 
+def test_grow_head_keeps_what_the_head_computes(tiny_chat_checkpoint):
+    """grow_head_ appends layers that start as identity: the grown head's output equals the
+    original's exactly, its new layers are trainable and their zeroed projections get gradient."""
+    from eaglespec.config import ConfigError
+    from eaglespec.draft import grow_head_
+
+    cfg = target_config_of(tiny_chat_checkpoint)
+    head = init_head_(DraftHead(cfg), 3)
+    g = torch.Generator().manual_seed(0)
+    emb, feat = (torch.randn(2, 5, cfg.hidden_size, generator=g) for _ in range(2))
+    pos = torch.arange(5).expand(2, 5)
+    want = head(emb, feat, pos, None)
+    grow_head_(head, 3, seed=1)
+    assert head.cache_layers == 3
+    got = head(emb, feat, pos, None)
+    assert torch.equal(got, want)
+    got.square().sum().backward()
+    assert head.more[0].attn.wo.weight.grad.abs().sum() > 0 and head.more[1].mlp.w_down.weight.grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match="cannot shrink a 3-layer head to 2"):
+        grow_head_(head, 2)
+
+
+def test_cli_init_head_grows_layers(tmp_path, tiny_chat_checkpoint, isolated_cache, capsys, monkeypatch):
+    """`--init-head DIR --head-layers 2` on a one-layer head: the run starts from the same loss as
+    the head itself (the new layer is identity), saves two layers, and drafts losslessly; asking
+    for fewer layers than the head has is refused."""
+    from eaglespec.api import EagleSpec
+    from eaglespec.draft import load_head
+    from eaglespec.train.cli import main
+
+    monkeypatch.delenv("EAGLESPEC_DEBUG", raising=False)
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    feats = ("--features", str(tmp_path / "feats"))
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "a", *feats, "--max-steps", "6")) == 0
+    saved = tmp_path / "a" / "head"
+    for name, extra in (("same", ()), ("grown", ("--head-layers", "2"))):
+        assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / name, *feats, "--max-steps", "3",
+                               "--init-head", str(saved), *extra)) == 0
+    assert "grown to 2 layers" in capsys.readouterr().err
+    assert read_log(tmp_path / "grown")[0]["loss"] == pytest.approx(read_log(tmp_path / "same")[0]["loss"], rel=1e-5)
+    spec = EagleSpec.load(str(tiny_chat_checkpoint), dtype="fp32")
+    assert load_head(tmp_path / "grown" / "head", spec.target.config).cache_layers == 2
+    spec.set_draft(str(tmp_path / "grown" / "head"))
+    want = spec.generate("the cat sat", max_new_tokens=12).token_ids
+    assert spec.generate("the cat sat", method="eagle2", max_new_tokens=12).token_ids == want
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "b", *feats, "--max-steps", "1",
+                           "--init-head", str(tmp_path / "grown" / "head"), "--head-layers", "1")) == 2
+    assert "has 2 layers; --head-layers 1 would drop some" in capsys.readouterr().err
+
+
 def test_cli_trains_a_two_layer_head(tmp_path, tiny_chat_checkpoint, isolated_cache, capsys, monkeypatch):
     """`--head-layers 2` with the training-time test: the loss falls, the saved head is two layers
     in EAGLE's layout and decodes identically to vanilla; the flag is refused for EAGLE-3."""
@@ -477,4 +527,4 @@ def test_cli_trains_a_two_layer_head(tmp_path, tiny_chat_checkpoint, isolated_ca
     capsys.readouterr()
     assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "b", "--head", "eagle3", "--head-layers", "2",
                            "--max-steps", "1")) == 2
-    assert "--head-layers applies to a new EAGLE-1/2 head" in capsys.readouterr().err
+    assert "--head-layers applies to EAGLE-1/2 heads" in capsys.readouterr().err

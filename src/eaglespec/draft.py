@@ -152,6 +152,32 @@ def init_head_(head: DraftHead, seed: int = 0) -> DraftHead:
     return head
 
 
+
+def grow_head_(head: DraftHead, num_layers: int, seed: int = 0) -> DraftHead:
+    """Append decoder layers to a trained head until it has `num_layers`, without changing what it
+    computes: each new layer gets seeded random weights but zero output projections (attention's
+    wo, the MLP's w_down), so its residual branches add nothing until training moves them. This
+    grows capacity on top of a head that already drafts well instead of starting over."""
+    have = head.cache_layers
+    if num_layers < have:
+        raise ConfigError(f"cannot shrink a {have}-layer head to {num_layers} layers")
+    p = head.fc.weight
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(num_layers - have):
+        lay = DecoderLayer(head.config).to(dtype=p.dtype, device=p.device)
+        lay.attn.exact_decode = False
+        with torch.no_grad():
+            for name, w in lay.named_parameters():
+                if name.endswith("norm.weight"):
+                    w.fill_(1.0)
+                elif name.endswith("bias") or name in ("attn.wo.weight", "mlp.w_down.weight"):
+                    w.zero_()
+                else:
+                    w.copy_(torch.randn(w.shape, generator=g) * 0.02)
+        lay.requires_grad_(p.requires_grad)
+        head.more.append(lay)
+    return head
+
 # Either kind of head: what Proposer, SpecStep, Drafter and the engine take.
 Head = DraftHead | Eagle3Head
 

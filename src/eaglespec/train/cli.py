@@ -63,9 +63,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="eagle: EAGLE-1/2 head (the target's top feature, its LM head); eagle3: three fused "
                         "target layers, its own LM head over --draft-vocab, no feature regression "
                         "(EAGLE-3's recipe adds --ttt-steps 7)")
-    p.add_argument("--head-layers", type=int, default=1, metavar="N",
-                   help="eagle: decoder layers in the head (EAGLE uses 1; more layers draft better and cost "
-                        "more per draft step)")
+    p.add_argument("--head-layers", type=int, default=None, metavar="N",
+                   help="eagle: decoder layers in the head (default 1, as EAGLE; more layers draft better and "
+                        "cost more per draft step). With --init-head: grow that head to N layers, the new ones "
+                        "starting as identity (zero output projections), so training starts from its skill")
     p.add_argument("--target-layers", type=int, nargs=3, default=None, metavar=("LOW", "MID", "HIGH"),
                    help="eagle3: the target layers whose entering hidden states are fused (default 2, L/2, L-3)")
     p.add_argument("--init-head", default=None, metavar="DIR",
@@ -164,9 +165,8 @@ def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], ra
 
     torch.manual_seed(args.seed)
     cfg, device = target.config, target.device
-    if args.head_layers != 1 and (args.head == "eagle3" or getattr(args, "init_head", None)):
-        raise ConfigError("--head-layers applies to a new EAGLE-1/2 head (an EAGLE-3 head has one midlayer; "
-                          "--init-head keeps its head's layers)")
+    if args.head_layers not in (None, 1) and args.head == "eagle3":
+        raise ConfigError("--head-layers applies to EAGLE-1/2 heads (an EAGLE-3 head has one midlayer)")
     if getattr(args, "init_head", None):
         return start_head(args, target, samples, val_ids, rank)
     ids = None
@@ -178,7 +178,7 @@ def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], ra
             print(f"draft vocabulary: {ids.numel():,} of {cfg.vocab_size:,} tokens, covering "
                   f"{dv.train_coverage:.1%} of training and {val_cov:.1%} of validation answer tokens", file=sys.stderr)
     if args.head == "eagle":
-        head = init_head_(DraftHead(cfg, bias=args.bias, num_layers=args.head_layers), args.seed)
+        head = init_head_(DraftHead(cfg, bias=args.bias, num_layers=args.head_layers or 1), args.seed)
         if ids is not None:
             head.set_vocab(ids)
         return head.to(device)
@@ -200,7 +200,7 @@ def start_head(args, target, samples, val_ids: list[int], rank: int):
     """`--init-head`: the saved head, in fp32 and trainable, after checking it is the kind asked for.
     Its draft vocabulary and target layers come with it (they index its weights)."""
     from ..config import ConfigError
-    from ..draft import load_head
+    from ..draft import grow_head_, load_head
     from ..eagle3 import Eagle3Head, check_target_layers
     from .vocab import coverage
 
@@ -213,6 +213,13 @@ def start_head(args, target, samples, val_ids: list[int], rank: int):
             check_target_layers(args.target_layers, target.config.num_layers) != tuple(head.target_layers):
         raise ConfigError(f"--init-head {args.init_head} reads target layers {list(head.target_layers)}, "
                           f"not --target-layers {list(args.target_layers)}")
+    if args.head_layers and kind == "eagle" and args.head_layers != head.cache_layers:
+        if args.head_layers < head.cache_layers:
+            raise ConfigError(f"--init-head {args.init_head} has {head.cache_layers} layers; --head-layers "
+                              f"{args.head_layers} would drop some (pass at least {head.cache_layers})")
+        grow_head_(head, args.head_layers, args.seed)
+        if rank == 0:
+            print(f"grown to {args.head_layers} layers (the new ones start as identity)", file=sys.stderr)
     if rank == 0:
         ids = head.to_target_ids(torch.arange(head.draft_vocab)) if kind == "eagle3" else head.vocab
         vocab = "the full vocabulary" if ids is None else f"its draft vocabulary of {ids.numel():,} tokens" + (
