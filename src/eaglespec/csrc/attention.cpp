@@ -19,7 +19,8 @@
 //
 // Arithmetic: scores are fp32 dot products of the bf16 inputs (16 lanes, lanes summed in a fixed
 // tree), the softmax runs in fp32 with the running maximum taken first, the weighted sum of values
-// accumulates in fp32 along the keys, and the output is rounded to bf16 once. -ffp-contract=off
+// accumulates in fp32 along the keys (fused multiply-adds on AVX-512: vec.h's fmadd), and the
+// output is rounded to bf16 once. -ffp-contract=off
 // keeps the compiler from fusing multiply-adds differently in different places.
 
 #include "ops.h"
@@ -68,9 +69,10 @@ inline f32x16 exp_nonpositive(f32x16 x) {
 
 // A query-key dot product before its lane sum: q and k as `chunks` vectors of 16, multiplied lane
 // by lane and added chunk after chunk (the one order every score uses).
+// (Fused or not, the same bits: a product of two bf16 values is exact in fp32.)
 inline f32x16 lane_products(const f32x16* q, const f32x16* k, int64_t chunks) {
   f32x16 d = q[0] * k[0];
-  for (int64_t ch = 1; ch < chunks; ++ch) d = d + q[ch] * k[ch];
+  for (int64_t ch = 1; ch < chunks; ++ch) d = fmadd(q[ch], k[ch], d);
   return d;
 }
 
@@ -132,7 +134,7 @@ inline void accumulate_values(Scratch& w, const f32x16* vb, int64_t r0, int64_t 
   for (int64_t l = 0; l < LANES; ++l)
     for (int n = 0; n < N; ++n) {
       const float e = w.scores[(r0 + n) * Sp + i0 + l];
-      for (int64_t ch = 0; ch < chunks; ++ch) a[n][ch] = a[n][ch] + e * vb[l * chunks + ch];
+      for (int64_t ch = 0; ch < chunks; ++ch) a[n][ch] = fmadd(f32x16{} + e, vb[l * chunks + ch], a[n][ch]);
     }
   for (int n = 0; n < N; ++n)
     for (int64_t ch = 0; ch < chunks; ++ch) w.acc[(r0 + n) * chunks + ch] = a[n][ch];
@@ -239,7 +241,7 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
         const int64_t r = t * g + j;
         const float e = w.scores[r * Sp + i];
         f32x16* ar = &w.acc[r * chunks];
-        for (int64_t ch = 0; ch < chunks; ++ch) ar[ch] = ar[ch] + e * vc[ch];
+        for (int64_t ch = 0; ch < chunks; ++ch) ar[ch] = fmadd(f32x16{} + e, vc[ch], ar[ch]);
       }
     }
   }

@@ -3,6 +3,9 @@
 #pragma once
 #include <c10/util/BFloat16.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
 
@@ -49,6 +52,17 @@ inline f32x16 round_bf16(f32x16 v) {
 inline void store_bf16(c10::BFloat16* p, f32x16 v) {
   const u16x16 h = __builtin_convertvector(bf16_bits(v) >> 16, u16x16);
   std::memcpy(p, &h, sizeof(h));
+}
+
+// a * b + c. Fused (one rounding) where built for AVX-512, else a multiply then an add: either
+// way one fixed function per build, so every code path that uses it gets the same bits. The
+// build-wide -ffp-contract=off leaves the compiler no say; callers choose fusing explicitly.
+inline f32x16 fmadd(f32x16 a, f32x16 b, f32x16 c) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return a * b + c;
+#endif
 }
 
 inline float lane_sum(f32x16 v) {
