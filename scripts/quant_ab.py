@@ -5,6 +5,10 @@ vanilla, tau and whether each speculative answer equals its mode's vanilla.
 
   python scripts/quant_ab.py --data ../shared/data/mt_bench/question.jsonl --prompts 8 --max-new-tokens 256
   python scripts/quant_ab.py --data ... --quants int4,int8a16 --trees 2,1,1 8,3,4 --no-llamacpp
+  python scripts/quant_ab.py --data ... --quants int8a16 --attention vector,amx --no-llamacpp
+
+--attention runs every mode once per attention path (csrc's vector code, or its AMX tiles:
+EAGLESPEC_AMX set per run); each answer is compared with the vanilla of its own mode and path.
 """
 
 from __future__ import annotations
@@ -30,11 +34,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--trees", nargs="+", default=["8,3,4", "4,2,2"], help="eagle2 total_tokens,depth,top_k")
     ap.add_argument("--quants", default="none,auto", help="modes to compare; ratios are to the first one's vanilla")
+    ap.add_argument("--attention", default=None, help="attention paths to compare, e.g. vector,amx (default: "
+                    "the one this CPU uses)")
     ap.add_argument("--no-llamacpp", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count() or 1)
-    quants = args.quants.split(",")
-    engines = {q: EagleSpec.load(dtype="bf16", draft="default", quant=q) for q in quants}
+    loaded = {q: EagleSpec.load(dtype="bf16", draft="default", quant=q) for q in args.quants.split(",")}
+    paths = args.attention.split(",") if args.attention else [None]
+    # A mode: a quant mode, with an attention path when comparing them ("int8a16/amx").
+    quants = [q if p is None else f"{q}/{p}" for q in loaded for p in paths]
+    engines = {m: loaded[m.split("/")[0]] for m in quants}
     lines = [x for x in Path(args.data).read_text().splitlines() if x.strip()][: args.prompts]
     arms = [(q, None) for q in engines] + [(q, t) for q in engines for t in args.trees]
     first = engines[quants[0]]
@@ -64,6 +73,8 @@ def main() -> None:
                 s[2] += len(out.token_ids) - 1
                 answers[(quant, tree)] = list(out.token_ids)
                 continue
+            if "/" in quant:
+                os.environ["EAGLESPEC_AMX"] = "1" if quant.split("/")[1] == "amx" else "0"
             cfg = None if tree is None else TreeConfig("eagle2", *map(int, tree.split(",")))
             r = Request(ids, "vanilla" if tree is None else "eagle2", cfg, max_new_tokens=args.max_new_tokens)
             t0 = time.perf_counter()
@@ -84,7 +95,8 @@ def main() -> None:
         tok, sec, steps, same = stats[(quant, tree)]
         own = stats[(quant, None)][0] / stats[(quant, None)][1]
         name = "vanilla" if tree is None else f"eagle2 ({tree})"
-        label = "llama.cpp (same GGUF)" if quant == "llamacpp" else engines[quant].target.quant
+        label = "llama.cpp (same GGUF)" if quant == "llamacpp" else \
+            engines[quant].target.quant + ("" if "/" not in quant else f", {quant.split('/')[1]} attention")
         print(f"| {label} | {name} | {tok / sec:.1f} | {tok / sec / base:.2f}x | "
               f"{tok / sec / own:.2f}x | {(tok - len(lines)) / max(steps, 1):.2f} | {same}/{len(lines)} |")
 

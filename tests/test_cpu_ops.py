@@ -11,10 +11,19 @@ import torch
 import torch.nn.functional as F
 
 from eaglespec.attention import attend, grouped_attention, kernel_attention
-from eaglespec.kernels import ops_kernel
+from eaglespec.kernels import attention_amx, ops_kernel
 from eaglespec.model import RMSNorm, apply_rotary
 
 pytestmark = pytest.mark.skipif(ops_kernel() is None, reason="the attention kernel could not be built here")
+
+
+@pytest.fixture(params=["vector", "amx"])
+def path(request, monkeypatch):
+    """Each attention test runs on both of the kernel's implementations (AMX where the CPU has it)."""
+    monkeypatch.setenv("EAGLESPEC_AMX", "1" if request.param == "amx" else "0")
+    if request.param == "amx" and not attention_amx():
+        pytest.skip("no AMX-BF16 tiles here")
+    return request.param
 
 
 def reference(q, k, v, mask):
@@ -27,7 +36,7 @@ def reference(q, k, v, mask):
 
 @pytest.mark.parametrize("b,nh,nkv,t,s,hd", [(1, 9, 3, 1, 1, 64), (1, 9, 3, 1, 513, 64), (2, 4, 4, 7, 100, 128),
                                              (3, 8, 2, 16, 40, 256), (1, 4, 1, 64, 300, 16)])
-def test_matches_fp32_reference(b, nh, nkv, t, s, hd):
+def test_matches_fp32_reference(b, nh, nkv, t, s, hd, path):
     g = torch.Generator().manual_seed(s + hd)
     q = torch.randn(b, nh, t, hd, generator=g).bfloat16()
     # keys and values as the cache holds them: views into a longer buffer
@@ -40,7 +49,7 @@ def test_matches_fp32_reference(b, nh, nkv, t, s, hd):
         torch.testing.assert_close(got.float(), reference(q, k, v, m), atol=1e-2, rtol=8e-3)
 
 
-def test_rows_heads_and_batch_rows_are_independent():
+def test_rows_heads_and_batch_rows_are_independent(path):
     """Each (row, head, token) alone over its visible keys compacted gives the same bits."""
     g = torch.Generator().manual_seed(0)
     b, nh, nkv, t, s, hd = 2, 6, 2, 5, 70, 64
@@ -57,7 +66,7 @@ def test_rows_heads_and_batch_rows_are_independent():
 
 
 @pytest.mark.parametrize("contexts", [(37, 37), (64, 50), (100, 3), (16, 0)])
-def test_tokens_sharing_a_context_are_each_the_same_bits_alone(contexts):
+def test_tokens_sharing_a_context_are_each_the_same_bits_alone(contexts, path):
     """The kernel loads the context every token of a row sees once for all of them (a tree over a
     long context); each token's output must still equal that token alone over its keys. Rows with
     different context lengths (not multiples of 16), a token that sees less, and tree nodes."""
@@ -86,13 +95,31 @@ def test_tokens_sharing_a_context_are_each_the_same_bits_alone(contexts):
             assert torch.equal(alone, full[i:i + 1, :, j:j + 1]), (i, j)
 
 
-def test_a_two_dimensional_mask_is_shared_by_the_batch():
+def test_a_two_dimensional_mask_is_shared_by_the_batch(path):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(3, 4, 6, 32, generator=g).bfloat16()
     k, v = (torch.randn(3, 2, 20, 32, generator=g).bfloat16() for _ in range(2))
     mask = torch.rand(6, 20, generator=g) < 0.5
     mask[:, 0] = True
     assert torch.equal(kernel_attention(q, k, v, mask), kernel_attention(q, k, v, mask.expand(3, 1, 6, 20)))
+
+
+def test_the_two_implementations_differ_only_in_rounding(monkeypatch):
+    """Where the CPU has AMX-BF16, kernel_attention takes the tile path unless EAGLESPEC_AMX=0;
+    the two compute different bits (bf16 weights on tiles) within the accuracy both are held to,
+    and the tile path refuses a head_dim it cannot take."""
+    if not attention_amx():
+        pytest.skip("no AMX-BF16 tiles here")
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 9, 9, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 3, 300, 64, generator=g).bfloat16() for _ in range(2))
+    tiles = kernel_attention(q, k, v, None)
+    monkeypatch.setenv("EAGLESPEC_AMX", "0")
+    vector = kernel_attention(q, k, v, None)
+    assert not torch.equal(tiles, vector)
+    torch.testing.assert_close(tiles.float(), vector.float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="head_dim a multiple of 32"):
+        ops_kernel().decode_attention(q[..., :48], k[..., :48], v[..., :48], None, 0.125, True)
 
 
 def test_calls_it_cannot_take_go_elsewhere(monkeypatch):

@@ -8,7 +8,7 @@ import torch
 
 from eaglespec import attention
 from eaglespec.attention import DECODE_ROWS, grouped_attention, kernel_attention
-from eaglespec.kernels import ops_kernel
+from eaglespec.kernels import attention_amx, ops_kernel
 from eaglespec.model import RMSNorm, apply_rotary
 from eaglespec.quant import Int4Linear, Int8Linear, int4_from_float, quantize_model
 from tiny import tiny_config, tiny_model
@@ -51,14 +51,18 @@ def random_tree(n: int, g: torch.Generator) -> torch.Tensor:
     return anc
 
 
-def needs_kernel(which: str) -> None:
-    if which == "ours" and ops_kernel() is None:
+def needs_kernel(which: str, monkeypatch) -> None:
+    """which: "ours" (csrc's vector path), "amx" (its AMX tile path, where this CPU has one) or "torch"."""
+    if which in ("ours", "amx") and ops_kernel() is None:
         pytest.skip("the attention kernel could not be built here (no compiler, or EAGLESPEC_KERNELS=0)")
+    monkeypatch.setenv("EAGLESPEC_AMX", "1" if which == "amx" else "0")
+    if which == "amx" and not attention_amx():
+        pytest.skip("no AMX-BF16 tiles here")
 
 
-@pytest.mark.parametrize("which", ["ours", "torch"])
+@pytest.mark.parametrize("which", ["ours", "amx", "torch"])
 @pytest.mark.parametrize("context", [5, 130, 700])
-def test_tree_attention_equals_each_node_alone(context, which):
+def test_tree_attention_equals_each_node_alone(context, which, monkeypatch):
     """A tree node attends over the committed context plus its ancestors, with other nodes masked
     between them and unused view slots after: its output equals the one-token call over its own
     path laid out contiguously (how plain decoding sees it). In bf16, the default dtype; fp32's
@@ -66,8 +70,8 @@ def test_tree_attention_equals_each_node_alone(context, which):
     end to end)."""
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(context)
-    needs_kernel(which)
-    attend = kernel_attention if which == "ours" else grouped_attention
+    needs_kernel(which, monkeypatch)
+    attend = grouped_attention if which == "torch" else kernel_attention
     nh, nkv, hd, n, pad = 9, 3, 64, DECODE_ROWS, 11
     k_ctx, v_ctx = (torch.randn(1, nkv, context, hd, generator=g).to(dtype) for _ in range(2))
     k_tree, v_tree = (torch.randn(1, nkv, n, hd, generator=g).to(dtype) for _ in range(2))
@@ -89,9 +93,9 @@ def test_tree_attention_equals_each_node_alone(context, which):
 
 
 @pytest.mark.parametrize("which", ["ours", "torch"])
-def test_rmsnorm_and_rope_rows_are_invariant(which):
+def test_rmsnorm_and_rope_rows_are_invariant(which, monkeypatch):
     """Inference takes csrc's ops (no autograd), training torch's; both per row."""
-    needs_kernel(which)
+    needs_kernel(which, monkeypatch)
     norm = RMSNorm(576, 1e-5).bfloat16()
     x = torch.randn(64, 576).bfloat16()
     q = torch.randn(1, 9, 64, 64).bfloat16()
@@ -103,14 +107,15 @@ def test_rmsnorm_and_rope_rows_are_invariant(which):
             assert torch.equal(apply_rotary(q[:, :, i:i + 1], cos[:, :, i:i + 1], sin[:, :, i:i + 1]), rope[:, :, i:i + 1])
 
 
-@pytest.mark.parametrize("which", ["ours", "torch"])
+@pytest.mark.parametrize("which", ["ours", "amx", "torch"])
 @pytest.mark.parametrize("mode", ["int4", "int8", "int8a16"])
 def test_tree_forward_equals_decoding_each_path(mode, which, monkeypatch):
     """The whole target in bf16: logits of a random 20-node tree scored in one forward equal,
-    bit for bit, each node's logits when its path is decoded one token at a time."""
-    needs_kernel(which)
-    monkeypatch.setattr(attention, "DECODE_KERNEL", "exact" if which == "ours" else "torch-exact")
-    cfg = tiny_config(hidden=64, inter=128, heads=4, kv_heads=2, vocab=96)
+    bit for bit, each node's logits when its path is decoded one token at a time. head_dim 32,
+    so the AMX path takes it where there is one."""
+    needs_kernel(which, monkeypatch)
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "torch-exact" if which == "torch" else "exact")
+    cfg = tiny_config(hidden=64, inter=128, heads=2, kv_heads=1, vocab=96)
     model = quantize_model(tiny_model(cfg, dtype=torch.bfloat16), mode)
     g = torch.Generator().manual_seed(3)
     ctx = torch.randint(0, 96, (1, 9), generator=g)

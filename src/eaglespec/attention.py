@@ -182,11 +182,12 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-    """csrc/attention.cpp's decode attention (shapes as `grouped_attention`), or None where it
+    """csrc/attention.cpp's decode attention (on AMX tiles where `kernels.attention_amx()`; shapes as
+    `grouped_attention`), or None where it
     cannot take the call (not bf16, head_dim not a multiple of 16, kernel not built)."""
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.shape[-1] % 16 or k.stride(-1) != 1:
         return None
-    from .kernels import ops_kernel
+    from .kernels import attention_amx, ops_kernel
 
     mod = ops_kernel()
     if mod is None:
@@ -195,7 +196,8 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     s = k.shape[2]
     if mask is not None:
         mask = (mask if mask.dim() == 2 else mask[:, 0]).expand(b, t, s)  # [B, T, S], a view
-    return mod.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    amx = q.shape[-1] % 32 == 0 and attention_amx()  # tiles where they fit (a head_dim fixes the path for good)
+    return mod.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5, amx)
 
 
 # Which kernel decode-shaped calls take: "exact" (ours, else grouped_attention), "torch-exact"

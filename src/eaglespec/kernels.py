@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = {"int4": [CSRC / "int4_gemm.cpp"], "int8": [CSRC / "int8_gemm.cpp"],
            "int8a16": [CSRC / "int8_a16_gemm.cpp"]}  # each includes common.h
-OPS_SOURCES = [CSRC / "ops.cpp", CSRC / "attention.cpp", CSRC / "norm_rope.cpp"]
+OPS_SOURCES = [CSRC / "ops.cpp", CSRC / "attention.cpp", CSRC / "attention_amx.cpp", CSRC / "norm_rope.cpp"]
 # Only the ISA the kernels need: not -march=native, so one build serves any CPU that has these.
 # -ffp-contract=off: no fused multiply-adds, so the fp32 steps are the ones the tests reproduce.
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]
@@ -167,8 +167,12 @@ def int8_kernel() -> ModuleType | None:
 
 def ops_flags(features: set[str]) -> list[str]:
     """The ops are portable C++ vector code: the ISA flags only widen their vectors (the numerics
-    are the same IEEE operations lane by lane, never contracted into FMAs)."""
+    are the same IEEE operations lane by lane, never contracted into FMAs; attention's fused
+    multiply-adds are explicit). Where the CPU has AMX-BF16, attention's tile path is compiled in
+    too (csrc/attention_amx.cpp; `attention_amx`)."""
     isa = ["-mavx512f"] if "avx512_f" in features else ["-mavx2"] if "avx2" in features else []
+    if "avx512_f" in features and {"amx_tile", "amx_bf16", "avx512_bf16"} <= features:
+        isa += ["-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
     return ["-O3", "-ffp-contract=off", *isa]
 
 
@@ -186,14 +190,33 @@ def ops_kernel() -> ModuleType | None:
     return _kernel("ops", OPS_SOURCES, lambda: ops_flags(cpu_features()), "torch ops")
 
 
+def attention_amx() -> bool:
+    """Whether decode attention runs on AMX tiles (csrc/attention_amx.cpp: built where the CPU has
+    AMX-BF16, used once Linux grants the tile state); `EAGLESPEC_AMX=0` keeps the vector path.
+    The two give different (each row-invariant) bits, so a process uses one for every call.
+    Inside `pinned_ops()` the answer given on entry."""
+    pinned = _pinned_amx.get()
+    if pinned is not None:
+        return pinned
+    if os.environ.get("EAGLESPEC_AMX", "1") == "0":
+        return False
+    mod = ops_kernel()
+    return bool(mod is not None and mod.attention_amx_ready())  # asks Linux once per process (the kernel caches it)
+
+
+_pinned_amx: ContextVar = ContextVar("eaglespec_pinned_amx", default=None)
+
+
 @contextmanager
 def pinned_ops() -> Iterator[None]:
-    """Within: ops_kernel() answers as it did on entry, without reading the environment again
-    (reading `EAGLESPEC_KERNELS` per op cost about 4% of a decode step)."""
+    """Within: ops_kernel() and attention_amx() answer as they did on entry, without reading the
+    environment again (reading `EAGLESPEC_KERNELS` per op cost about 4% of a decode step)."""
     token = _pinned_ops.set(ops_kernel())
+    token_amx = _pinned_amx.set(attention_amx())
     try:
         yield
     finally:
+        _pinned_amx.reset(token_amx)
         _pinned_ops.reset(token)
 
 

@@ -20,11 +20,14 @@
 // Arithmetic: scores are fp32 dot products of the bf16 inputs (16 lanes, lanes summed in a fixed
 // tree), the softmax runs in fp32 with the running maximum taken first, the weighted sum of values
 // accumulates in fp32 along the keys (fused multiply-adds on AVX-512: vec.h's fmadd), and the
-// output is rounded to bf16 once. -ffp-contract=off
-// keeps the compiler from fusing multiply-adds differently in different places.
+// output is rounded to bf16 once. -ffp-contract=off keeps the compiler from fusing multiply-adds
+// differently in different places.
+//
+// On CPUs with AMX-BF16, attention_amx.cpp computes the same attention on tiles (its own
+// arithmetic, row-invariant by the same construction); the caller picks one per call (`amx`).
 
+#include "attention.h"
 #include "ops.h"
-#include "vec.h"
 
 #include <ATen/Parallel.h>
 
@@ -36,37 +39,6 @@ namespace {
 
 using namespace eaglespec;
 
-constexpr int MAX_CHUNKS = 32;  // head_dim up to 512
-
-inline float lane_max(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < LANES; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-
-// exp of 16 values <= 0 (scores minus their maximum), ours rather than libm's so that the result
-// is the same function everywhere: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series
-// to r^7 (relative error below 2e-7), times 2^n built from the exponent bits. Below -87 the
-// result is clamped to exp(-87) (~1.6e-38), negligible against the maximum's weight of 1.
-inline f32x16 exp_nonpositive(f32x16 x) {
-  const f32x16 lo = f32x16{} - 87.f;
-  x = x < lo ? lo : x;
-  const i32x16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16);  // rounds toward 0: ceil
-  const f32x16 nf = __builtin_convertvector(n, f32x16);
-  const f32x16 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;  // ln2 in two parts
-  f32x16 p = r * (1.f / 5040) + (1.f / 720);
-  p = p * r + (1.f / 120);
-  p = p * r + (1.f / 24);
-  p = p * r + (1.f / 6);
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const i32x16 bits = (n + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // A query-key dot product before its lane sum: q and k as `chunks` vectors of 16, multiplied lane
 // by lane and added chunk after chunk (the one order every score uses).
 // (Fused or not, the same bits: a product of two bf16 values is exact in fp32.)
@@ -75,15 +47,6 @@ inline f32x16 lane_products(const f32x16* q, const f32x16* k, int64_t chunks) {
   for (int64_t ch = 1; ch < chunks; ++ch) d = fmadd(q[ch], k[ch], d);
   return d;
 }
-
-struct Call {
-  const c10::BFloat16 *q, *k, *v;
-  c10::BFloat16* out;
-  const bool* mask;  // null: every slot visible
-  int64_t nh, nkv, T, S, g, chunks;
-  int64_t ksb, ksh, kss, vsb, vsh, vss, msb, mst, mss;
-  float scale;
-};
 
 // Per thread: one item's rows (its T tokens x g query heads, row r = t * g + j) and their state.
 struct Scratch {
@@ -151,24 +114,7 @@ template <int C>
 void attend_item(const Call& c, int64_t item, Scratch& w) {
   const int64_t chunks = C ? C : c.chunks, g = c.g, Sp = Scratch::padded(c.S), T = c.T, R = T * g;
   const int64_t h = item % c.nkv, b = item / c.nkv;
-  int64_t P = c.S;  // slots every token sees, from slot 0
-  for (int64_t t = 0; t < T; ++t) {
-    int64_t* sl = w.slots.data() + t * c.S;
-    int64_t n = 0;
-    if (c.mask) {
-      const bool* row = c.mask + b * c.msb + t * c.mst;
-      int64_t run = 0;
-      for (int64_t s = 0; s < c.S; ++s)
-        if (row[s * c.mss]) {
-          if (run == s) ++run;
-          sl[n++] = s;
-        }
-      P = run < P ? run : P;
-    } else {
-      for (int64_t s = 0; s < c.S; ++s) sl[n++] = s;
-    }
-    w.counts[t] = n;
-  }
+  const int64_t P = visible_slots(c, b, w.slots.data(), w.counts.data());
   const int64_t shared = P / LANES * LANES;  // list positions 0..shared-1 are slots 0..shared-1 for every token
   const int64_t hd = chunks * LANES;
   for (int64_t t = 0; t < T; ++t)
@@ -201,27 +147,7 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
     }
   }
   for (int64_t r = 0; r < R; ++r) {  // unnormalised weights exp(score - max), and their sum
-    const int64_t n = w.counts[r / g];
-    const int64_t blocks = (n + LANES - 1) / LANES;
-    float* sj = w.scores.data() + r * Sp;
-    for (int64_t i = n; i < blocks * LANES; ++i) sj[i] = -INFINITY;  // the last block's unused lanes
-    f32x16 top = f32x16{} - INFINITY;
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      f32x16 x;
-      std::memcpy(&x, sj + blk * LANES, sizeof(x));
-      top = x > top ? x : top;
-    }
-    const float mx = lane_max(top);
-    f32x16 total = f32x16{};
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      f32x16 x;
-      std::memcpy(&x, sj + blk * LANES, sizeof(x));
-      f32x16 e = exp_nonpositive(x - mx);
-      e = x == -INFINITY ? f32x16{} : e;  // unused lanes weigh exactly nothing
-      std::memcpy(sj + blk * LANES, &e, sizeof(e));
-      total = total + e;
-    }
-    w.totals[r] = lane_sum(total);
+    w.totals[r] = softmax_row(w.scores.data() + r * Sp, w.counts[r / g]);
     for (int64_t ch = 0; ch < chunks; ++ch) w.acc[r * chunks + ch] = f32x16{};
   }
   // The weighted sum of values, along each row's keys in order: shared blocks widened once.
@@ -266,8 +192,9 @@ void attend_all(const Call& c, int64_t items) {
 
 // q: [B, nh, T, hd] bf16; k, v: [B, nkv, S, hd] bf16 with contiguous last dim;
 // mask: [B, T, S] bool (any strides) or undefined (every slot visible). Returns [B, nh, T, hd].
+// amx: the tile implementation (refused where attention_amx_ready() is false; head_dim a multiple of 32).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               c10::optional<torch::Tensor> mask, double scale) {
+                               c10::optional<torch::Tensor> mask, double scale, bool amx) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16, "decode_attention: bf16 q, k, v");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: 4-d q, k, v");
@@ -293,6 +220,12 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                masked ? m.stride(0) : 0, masked ? m.stride(1) : 0, masked ? m.stride(2) : 0,
                static_cast<float>(scale)};
   const int64_t items = B * nkv;
+  if (amx) {
+    TORCH_CHECK(attention_amx_ready(), "decode_attention: AMX tiles are not available here");
+    TORCH_CHECK(hd % 32 == 0, "decode_attention: the AMX path needs head_dim a multiple of 32");
+    attend_all_amx(c, items);
+    return out;
+  }
   switch (c.chunks) {  // common head sizes unrolled; the arithmetic is identical
     case 4: attend_all<4>(c, items); break;
     case 8: attend_all<8>(c, items); break;

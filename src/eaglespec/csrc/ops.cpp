@@ -3,7 +3,10 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "row-invariant decode attention over a bf16 KV cache");
+  m.def("decode_attention", &decode_attention, "row-invariant decode attention over a bf16 KV cache",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("amx") = false);
+  m.def("attention_amx_ready", &eaglespec::attention_amx_ready,
+        "whether decode_attention can take amx=True (built with AMX-BF16, tile state granted)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows, normalised in fp32");
   m.def("rope", &rope, "rotary embedding (rotate-half layout) of bf16 heads");
 }

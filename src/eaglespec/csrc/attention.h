@@ -1,0 +1,122 @@
+// Shared by the two decode-attention implementations (attention.cpp: AVX-512 vectors;
+// attention_amx.cpp: AMX tiles): the call's arguments, each token's list of visible slots, and the
+// fp32 softmax of one row. Every piece works on one (row, token) at a time, so neither
+// implementation's results depend on how many tokens or rows a call holds.
+#pragma once
+#include "vec.h"
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace eaglespec {
+
+constexpr int MAX_CHUNKS = 32;  // head_dim up to 512
+
+inline float lane_max(f32x16 v) {
+  float m = v[0];
+  for (int i = 1; i < LANES; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// exp of 16 values <= 0 (scores minus their maximum), ours rather than libm's so that the result
+// is the same function everywhere: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series
+// to r^7 (relative error below 2e-7), times 2^n built from the exponent bits. Below -87 the
+// result is clamped to exp(-87) (~1.6e-38), negligible against the maximum's weight of 1.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 lo = f32x16{} - 87.f;
+  x = x < lo ? lo : x;
+  const i32x16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16);  // rounds toward 0: ceil
+  const f32x16 nf = __builtin_convertvector(n, f32x16);
+  const f32x16 r = fmadd(nf, f32x16{} - 1.428606765330187e-06f, fmadd(nf, f32x16{} - 0.693145751953125f, x));  // ln2 in two parts
+  f32x16 p = fmadd(r, f32x16{} + 1.f / 5040, f32x16{} + 1.f / 720);  // Horner steps as fused multiply-adds
+  p = fmadd(p, r, f32x16{} + 1.f / 120);
+  p = fmadd(p, r, f32x16{} + 1.f / 24);
+  p = fmadd(p, r, f32x16{} + 1.f / 6);
+  p = fmadd(p, r, f32x16{} + 0.5f);
+  p = fmadd(p, r, f32x16{} + 1.f);
+  p = fmadd(p, r, f32x16{} + 1.f);
+  const i32x16 bits = (n + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Call {
+  const c10::BFloat16 *q, *k, *v;
+  c10::BFloat16* out;
+  const bool* mask;  // null: every slot visible
+  int64_t nh, nkv, T, S, g, chunks;
+  int64_t ksb, ksh, kss, vsb, vsh, vss, msb, mst, mss;
+  float scale;
+};
+
+// Token t's visible slots of (batch row) b, in slot order, into slots[t * S ...] and counts[t];
+// returns P, the length of the run of slots 0..P-1 that every token sees (the shared context).
+inline int64_t visible_slots(const Call& c, int64_t b, int64_t* slots, int64_t* counts) {
+  int64_t P = c.S;
+  for (int64_t t = 0; t < c.T; ++t) {
+    int64_t* sl = slots + t * c.S;
+    int64_t n = 0;
+    if (c.mask) {
+      const bool* row = c.mask + b * c.msb + t * c.mst;
+      int64_t run = 0;
+      for (int64_t s = 0; s < c.S; ++s)
+        if (row[s * c.mss]) {
+          if (run == s) ++run;
+          sl[n++] = s;
+        }
+      P = run < P ? run : P;
+    } else {
+      for (int64_t s = 0; s < c.S; ++s) sl[n++] = s;
+    }
+    counts[t] = n;
+  }
+  return P;
+}
+
+// One row's softmax numerators in place: sj[0..n) holds its scores (room up to the next multiple
+// of 16); they become exp(score * scale - max), the unused lanes of the last block exact zeros.
+// Returns their sum (16 lanes along the blocks, then the lanes in a fixed tree). With `bf16` not
+// null, the numerators are also written there rounded to bf16 (same length).
+inline float softmax_row(float* sj, int64_t n, float scale = 1.f, uint16_t* bf16 = nullptr) {
+  const int64_t blocks = (n + LANES - 1) / LANES;
+  for (int64_t i = n; i < blocks * LANES; ++i) sj[i] = -INFINITY;
+  f32x16 top = f32x16{} - INFINITY;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    f32x16 x;
+    std::memcpy(&x, sj + blk * LANES, sizeof(x));
+    if (scale != 1.f) {
+      x = x * scale;
+      std::memcpy(sj + blk * LANES, &x, sizeof(x));
+    }
+    top = x > top ? x : top;
+  }
+  const float mx = lane_max(top);
+  f32x16 total = f32x16{};
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    f32x16 x;
+    std::memcpy(&x, sj + blk * LANES, sizeof(x));
+    f32x16 e = exp_nonpositive(x - mx);
+    e = x == -INFINITY ? f32x16{} : e;  // unused lanes weigh exactly nothing
+    std::memcpy(sj + blk * LANES, &e, sizeof(e));
+    if (bf16) {
+#if defined(__AVX512BF16__)  // one instruction, the same rounding (to nearest even) for these finite values
+      const __m256bh h = _mm512_cvtneps_pbh((__m512)e);
+#else
+      const u16x16 h = __builtin_convertvector(bf16_bits(e) >> 16, u16x16);
+#endif
+      std::memcpy(bf16 + blk * LANES, &h, sizeof(h));
+    }
+    total = total + e;
+  }
+  return lane_sum(total);
+}
+
+// Built with AMX-BF16 and granted the tile state by Linux (attention_amx.cpp).
+bool attention_amx_ready();
+// Every item (batch row, kv head) of the call on AMX tiles.
+void attend_all_amx(const Call& c, int64_t items);
+
+}  // namespace eaglespec
