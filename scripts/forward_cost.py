@@ -1,7 +1,7 @@
 """Forward cost of the default model by quant mode: k new tokens (a binary tree: node i's parent is
 (i - 1) // 2, so most nodes' ancestors are not contiguous) after a 512-token context, k = 1..64; modes interleaved round by round in one process,
 medians. Also prices the row-invariant (exact) attention, ours (csrc/attention.cpp) and the torch
-ops version, against the plain and flash kernels, and the package's VNNI kernels (int4 linears, int8 LM head and int8 linears) against torch's.
+ops version, against the plain and flash kernels, its AMX tile path against its vector path, and the package's VNNI kernels (int4 linears, int8 LM head and int8 linears) against torch's.
 Prints a markdown table; asserts nothing.
 
   python scripts/forward_cost.py --rounds 7
@@ -62,6 +62,9 @@ def main() -> None:
         "bf16 int4, torch kernels": ("int4", "torch", "exact"),
         "bf16 int8, torch kernels": ("int8", "torch", "exact"),
         "bf16 int8a16": ("int8a16", "vnni", "exact"),
+        # exact attention on its vector path where the default is AMX tiles (EAGLESPEC_AMX=0)
+        "bf16 int4, vector attention": ("int4", "vnni", "exact-vector"),
+        "bf16 int8a16, vector attention": ("int8a16", "vnni", "exact-vector"),
     }
     if args.arms:
         rows = {name: rows[name] for name in args.arms.split(";")}
@@ -83,7 +86,8 @@ def main() -> None:
         for r in range(args.rounds + 1):
             for k in ks:
                 for name, (model, kernel) in arms.items():
-                    attention.DECODE_KERNEL = kernel
+                    os.environ["EAGLESPEC_AMX"] = "0" if kernel == "exact-vector" else "1"
+                    attention.DECODE_KERNEL = "exact" if kernel == "exact-vector" else kernel
                     ms = forward_ms(model, ctx, k, caches[name])
                     if r:  # round 0 warms up
                         times[(name, k)].append(ms)

@@ -129,16 +129,21 @@ inline void key_tile(const Scratch& w, uint32_t* kt) {
   for (int64_t col = 0; col < w.hd / 32; ++col) transpose16(src, col, kt);
 }
 
-// Value tiles for kBlock positions (w.rows[0..31]) into out[c][j][d] (c over head_dim / 16).
-inline void value_tiles(Scratch& w, uint32_t* out) {
-  for (int64_t c = 0; c < w.hd / kDims; ++c)
-    for (int j = 0; j < 16; ++j) {
-      const uint16_t* a = w.rows[2 * j] ? w.rows[2 * j] : w.zero.data();
-      const uint16_t* b = w.rows[2 * j + 1] ? w.rows[2 * j + 1] : w.zero.data();
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c * kDims)));
-      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c * kDims)));
-      _mm512_storeu_si512(out + (c * 16 + j) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+// Value tiles for kBlock positions (w.rows[0..31]) into out[c][j][d] (c over head_dim / 16): for
+// each pair of rows, 32 dims of both at a time interleaved by one two-source word permute.
+inline void value_tiles(const Scratch& w, uint32_t* out) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);  // dims 0..15
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));                              // dims 16..31
+  for (int j = 0; j < 16; ++j) {
+    const uint16_t* a = w.rows[2 * j] ? w.rows[2 * j] : w.zero.data();
+    const uint16_t* b = w.rows[2 * j + 1] ? w.rows[2 * j + 1] : w.zero.data();
+    for (int64_t h = 0; h < w.hd / 32; ++h) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * h), vb = _mm512_loadu_si512(b + 32 * h);
+      _mm512_storeu_si512(out + ((2 * h) * 16 + j) * 16, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(out + ((2 * h + 1) * 16 + j) * 16, _mm512_permutex2var_epi16(va, hi, vb));
     }
+  }
 }
 
 // GCC's tile intrinsics take the register number as a literal (they paste it into the assembly),
