@@ -20,10 +20,12 @@
 // a process uses one of the two for every call (attention.kernel_attention).
 //
 // Layouts (tiles of 16 rows x 64 bytes):
-//   Q (A, scores): qb[r][d] bf16, rows padded with zeros to a multiple of 16, plus 16 rows so
-//                  that a window of 16 rows may start at any token's first row;
-//   K (B, scores): 16 keys' rows as dwords (pairs of dims), transposed: kt[p][n] = key n's dims
-//                  2p, 2p + 1 (the VNNI layout tdpbf16ps takes for B);
+//   K (A, scores): 16 slots' rows, 32 dims each, straight from the cache (a partial last block
+//                  copied and zero-padded); scores come out transposed (S^T = K Q^T);
+//   Q (B, scores): qb[r][d] bf16 (rows padded to a multiple of 16, plus 16 rows so that a window
+//                  of 16 rows may start at any token's first row), transposed as dwords (pairs
+//                  of dims) per group of 16 rows: qt[p][r] = row r's dims 2p, 2p + 1 (the VNNI
+//                  layout tdpbf16ps takes for B);
 //   P (A, values): pb[r][i] bf16 weights (zero past the row's count up to its last block of 32);
 //   V (B, values): for key pairs (2j, 2j + 1) and 16 dims c..c+15: the dword (v[2j][d], v[2j+1][d]).
 #include "attention.h"
@@ -78,7 +80,8 @@ struct Scratch {
   int64_t slots_of = -1, shared = 0;
   std::unique_ptr<float[]> scores, totals, acc;  // scores [Rx][Sp], acc [Rx][hd]
   std::unique_ptr<uint16_t[]> qb, pb;            // [Rx][hd], [Rx][Sp]
-  std::unique_ptr<uint32_t[]> kt;                // [kPass][hd / 2][16]: score tiles B of up to kPass blocks
+  std::unique_ptr<uint32_t[]> qt;                // [Rx / 16][hd / 32][16][16]: queries transposed (score tiles B)
+  std::unique_ptr<uint16_t[]> kpad;              // [16][hd]: a last, partial block of keys
   std::unique_ptr<uint32_t[]> vt;                // [blocks][hd / 16][16][16]: value tiles of the shared blocks, then one more
   std::vector<const uint16_t*> rows;             // kBlock row pointers (null: a zero row)
   std::vector<uint16_t> zero;                    // [hd]
@@ -87,14 +90,15 @@ struct Scratch {
       : R(c.T * c.g), Rx(round_up(R, 16) + 16), Sp(round_up(c.S > 0 ? c.S : 1, kBlock)), hd(c.chunks * LANES),
         slots(c.T * c.S), counts(c.T), scores(uninit<float>(Rx * Sp)), totals(uninit<float>(Rx)),
         acc(uninit<float>(Rx * hd)), qb(uninit<uint16_t>(Rx * hd)), pb(uninit<uint16_t>(Rx * Sp)),
-        kt(uninit<uint32_t>(kPass * hd / 2 * kKeys)), vt(uninit<uint32_t>((Sp / kBlock + 1) * (hd / kDims) * 256)),
+        qt(uninit<uint32_t>(Rx / 16 * (hd / 32) * 256)), kpad(uninit<uint16_t>(16 * hd)), vt(uninit<uint32_t>((Sp / kBlock + 1) * (hd / kDims) * 256)),
         rows(kBlock), zero(hd, 0) {
     std::fill(qb.get() + R * hd, qb.get() + Rx * hd, 0);
     std::fill(pb.get() + R * Sp, pb.get() + Rx * Sp, 0);
   }
 };
 
-// 16 dwords from each of 16 rows (the dword at column 16 * col of each) -> kt rows 16 * col..+15.
+// 16 dwords from each of 16 rows (the dword at column 16 * col of each) -> out rows 16 * col..+15
+// (out[(16 col + p) * 16 + n] = dword 16 col + p of row n).
 inline void transpose16(const uint32_t* const* src, int64_t col, uint32_t* kt) {
   __m512i r[16], t[16];
   for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(src[n] + 16 * col);
@@ -120,13 +124,6 @@ inline void transpose16(const uint32_t* const* src, int64_t col, uint32_t* kt) {
     _mm512_storeu_si512(kt + (16 * col + 8 + k) * 16, _mm512_shuffle_i32x4(c, d, 0x88));   // lane 2
     _mm512_storeu_si512(kt + (16 * col + 12 + k) * 16, _mm512_shuffle_i32x4(c, d, 0xdd));  // lane 3
   }
-}
-
-// The score tiles B for 16 keys (w.rows[0..15]) into kt: kt[p][n] = dims 2p, 2p + 1 of key n.
-inline void key_tile(const Scratch& w, uint32_t* kt) {
-  const uint32_t* src[16];
-  for (int n = 0; n < 16; ++n) src[n] = reinterpret_cast<const uint32_t*>(w.rows[n] ? w.rows[n] : w.zero.data());
-  for (int64_t col = 0; col < w.hd / 32; ++col) transpose16(src, col, kt);
 }
 
 // Value tiles for kBlock positions (w.rows[0..31]) into out[c][j][d] (c over head_dim / 16): for
@@ -171,6 +168,20 @@ inline void value_tiles(const Scratch& w, uint32_t* out) {
 EAGLESPEC_DP_PASS(dp_pass0, 0)  // A in tmm0
 EAGLESPEC_DP_PASS(dp_pass1, 1)  // A in tmm1
 
+// tmm4 + u += (key tile u: A, 16 slots' dims d0..d0+31, alternately in tmm0 and tmm1) x (the
+// queries' B in tmm<B>), for u < n (n <= kPass).
+#define EAGLESPEC_KEYS_PASS(name, B)                                                               \
+  inline void name(const uint16_t* const* ka, const int64_t* stride, int64_t d0, int64_t n) {     \
+    switch (n) { /* falls through: the highest u first */                                        \
+      case 4: _tile_loadd(1, ka[3] + d0, stride[3]); _tile_dpbf16ps(7, 1, B); [[fallthrough]];    \
+      case 3: _tile_loadd(0, ka[2] + d0, stride[2]); _tile_dpbf16ps(6, 0, B); [[fallthrough]];    \
+      case 2: _tile_loadd(1, ka[1] + d0, stride[1]); _tile_dpbf16ps(5, 1, B); [[fallthrough]];    \
+      default: _tile_loadd(0, ka[0] + d0, stride[0]); _tile_dpbf16ps(4, 0, B);                    \
+    }                                                                                              \
+  }
+EAGLESPEC_KEYS_PASS(keys_pass2, 2)  // queries in tmm2
+EAGLESPEC_KEYS_PASS(keys_pass3, 3)  // queries in tmm3
+
 inline void acc_zero(int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     EAGLESPEC_ACC_TILE(i, _tile_zero)
@@ -212,30 +223,63 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
       std::memcpy(w.qb.get() + (t * g + j) * hd, q + ((b * c.nh + h * g + j) * T + t) * hd, hd * 2);
   const int64_t groups = round_up(R, 16);
 
-  // Scores of every row against every slot 0..S-1, 16 slots per tile straight from the cache,
-  // kPass tiles in flight. A score is a function of its query and key alone, so scoring slots a
-  // row does not see changes nothing; each row's list of visible slots is then gathered in place
-  // (list position i < P is slot i; past it, slot sl[i] >= i, not yet overwritten).
-  const int64_t blocks16 = (S + kKeys - 1) / kKeys, ktile = hd / 2 * kKeys;
+  // Scores of every row against every slot 0..S-1, computed transposed (S^T = K Q^T): 16 slots
+  // are a tile A read straight from the cache, the queries (transposed once per item, in row
+  // groups of 16) are B, kPass key tiles in flight. A score is a function of its query and key
+  // alone, so scoring slots a row does not see changes nothing; each row's list of visible
+  // slots is then gathered in place (list position i < P is slot i; past it, slot sl[i] >= i,
+  // not yet overwritten).
+  const int64_t blocks16 = (S + kKeys - 1) / kKeys, chunks32 = hd / 32;
+  for (int64_t r0 = 0; r0 < groups; r0 += 16) {
+    const uint32_t* src[16];
+    for (int n = 0; n < 16; ++n) src[n] = reinterpret_cast<const uint32_t*>(w.qb.get() + (r0 + n) * hd);
+    for (int64_t kc = 0; kc < chunks32; ++kc) transpose16(src, kc, w.qt.get() + r0 / 16 * chunks32 * 256);
+  }
   for (int64_t u0 = 0; u0 < blocks16; u0 += kPass) {
     const int64_t nu = std::min<int64_t>(kPass, blocks16 - u0);
+    const uint16_t* ka[kPass];
+    int64_t kstride[kPass];
     for (int64_t u = 0; u < nu; ++u) {
       const int64_t i0 = (u0 + u) * kKeys;
-      for (int m = 0; m < kKeys; ++m) w.rows[m] = i0 + m < S ? kh + (i0 + m) * c.kss : nullptr;
-      key_tile(w, w.kt.get() + u * ktile);
+      if (i0 + kKeys <= S) {
+        ka[u] = kh + i0 * c.kss;
+        kstride[u] = c.kss * 2;
+      } else {  // the last, partial block: copied, zero-padded (the cache may end at slot S)
+        uint16_t* pad = w.kpad.get();
+        for (int64_t m = 0; m < kKeys; ++m)
+          std::memcpy(pad + m * hd, i0 + m < S ? kh + (i0 + m) * c.kss : w.zero.data(), hd * 2);
+        ka[u] = pad;
+        kstride[u] = hd * 2;
+      }
     }
     for (int64_t r0 = 0; r0 < groups; r0 += 16) {
       acc_zero(nu);
-      for (int64_t kc = 0; kc < hd / 32; ++kc) {  // A alternately in tmm0 and tmm1, as B above
+      for (int64_t kc = 0; kc < chunks32; ++kc) {
+        const uint32_t* qt = w.qt.get() + (r0 / 16 * chunks32 + kc) * 256;
         if (kc % 2 == 0) {
-          _tile_loadd(0, w.qb.get() + r0 * hd + kc * 32, hd * 2);
-          dp_pass0(w.kt.get() + kc * 256, ktile, nu);
+          _tile_loadd(2, qt, 64);
+          keys_pass2(ka, kstride, kc * 32, nu);
         } else {
-          _tile_loadd(1, w.qb.get() + r0 * hd + kc * 32, hd * 2);
-          dp_pass1(w.kt.get() + kc * 256, ktile, nu);
+          _tile_loadd(3, qt, 64);
+          keys_pass3(ka, kstride, kc * 32, nu);
         }
       }
-      acc_store(w.scores.get() + r0 * Sp + u0 * kKeys, Sp * 4, kKeys, nu);
+      acc_store(w.cbuf[0], 64, 256, nu);
+      const int64_t rows = std::min<int64_t>(16, R - r0);
+      for (int64_t u = 0; u < nu; ++u) {  // cbuf[u][key][row] -> scores[row][slot]
+        float* dst = w.scores.get() + r0 * Sp + (u0 + u) * kKeys;
+        const float* cb = w.cbuf[u];
+        if (rows > 4) {
+          const uint32_t* cs[16];
+          for (int n = 0; n < 16; ++n) cs[n] = reinterpret_cast<const uint32_t*>(cb + n * 16);
+          alignas(64) uint32_t tr[256];
+          transpose16(cs, 0, tr);
+          for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * Sp, tr + r * 16, 64);
+        } else {
+          for (int64_t r = 0; r < rows; ++r)
+            for (int n = 0; n < 16; ++n) dst[r * Sp + n] = cb[n * 16 + r];
+        }
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r) {
