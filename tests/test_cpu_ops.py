@@ -197,3 +197,24 @@ def test_pinned_ops_read_the_environment_once(monkeypatch):
         monkeypatch.setenv("EAGLESPEC_KERNELS", "0")
         assert ops_kernel() is first
     assert ops_kernel() is None
+
+
+def test_a_compiler_without_amx_still_builds_the_vector_paths(monkeypatch):
+    """On an AMX CPU the ops build asks for the AMX flags; when that build fails (a compiler that
+    cannot target AMX), the ops are built again without them instead of falling back to torch."""
+    from eaglespec import kernels
+
+    tried = []
+
+    def fake_build(name, sources, flags):
+        tried.append(flags)
+        if "-mamx-tile" in flags:
+            raise RuntimeError("error: unrecognized command-line option '-mamx-tile'")
+        return "module"
+
+    monkeypatch.delenv("EAGLESPEC_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setattr(kernels, "_build", fake_build)
+    monkeypatch.setattr(kernels, "cpu_features", lambda: {"avx512_f", "amx_tile", "amx_bf16", "avx512_bf16"})
+    assert kernels.ops_kernel() == "module"
+    assert "-mamx-tile" in tried[0] and "-mamx-tile" not in tried[1] and "-mavx512f" in tried[1]

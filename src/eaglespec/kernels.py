@@ -111,10 +111,12 @@ def _why(e: Exception) -> str:
     return next((s for s in lines if "error" in s), lines[-1] if lines else type(e).__name__).strip()
 
 
-def _kernel(kind: str, sources: list[Path], flags: Callable[[], list[str]] | None, fallback: str) -> ModuleType | None:
+def _kernel(kind: str, sources: list[Path], flags: Callable[[], list[str]] | None, fallback: str,
+            retry: Callable[[], list[str]] | None = None) -> ModuleType | None:
     """Extension `kind` built once per process (or found built), or None: `EAGLESPEC_KERNELS=0`,
     `flags` None (this CPU cannot run it; silently) or a failed build (one warning naming
-    `fallback`, what the callers use instead)."""
+    `fallback`, what the callers use instead). `retry`: flags to try when the first build fails
+    (a compiler without an optional ISA's support)."""
     if os.environ.get("EAGLESPEC_KERNELS", "1") == "0":
         return None
     if kind not in _loaded:
@@ -123,6 +125,10 @@ def _kernel(kind: str, sources: list[Path], flags: Callable[[], list[str]] | Non
             try:
                 module = _build(f"eaglespec_{kind}", sources, flags())
             except Exception as e:  # no compiler, no headers, ...
+                if retry is not None and retry() != flags():
+                    log.info("eaglespec: building the %s kernel with %s failed (%s); retrying without",
+                             kind, " ".join(flags()), _why(e))
+                    return _kernel(kind, sources, retry, fallback)
                 log.warning("eaglespec: could not build the %s kernel (%s); using %s", kind, _why(e), fallback)
         _loaded[kind] = module
     return _loaded[kind]
@@ -187,7 +193,9 @@ def ops_kernel() -> ModuleType | None:
     pinned = _pinned_ops.get()
     if pinned is not _UNPINNED:
         return pinned
-    return _kernel("ops", OPS_SOURCES, lambda: ops_flags(cpu_features()), "torch ops")
+    # A compiler that cannot target AMX still builds the vector paths.
+    return _kernel("ops", OPS_SOURCES, lambda: ops_flags(cpu_features()), "torch ops",
+                   retry=lambda: ops_flags(cpu_features() - {"amx_tile", "amx_bf16"}))
 
 
 def attention_amx() -> bool:
