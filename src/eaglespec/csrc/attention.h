@@ -29,7 +29,8 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   x = x < lo ? lo : x;
   const i32x16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16);  // rounds toward 0: ceil
   const f32x16 nf = __builtin_convertvector(n, f32x16);
-  const f32x16 r = fmadd(nf, f32x16{} - 1.428606765330187e-06f, fmadd(nf, f32x16{} - 0.693145751953125f, x));  // ln2 in two parts
+  // r = x - n ln2, ln2 in two parts
+  const f32x16 r = fmadd(nf, f32x16{} - 1.428606765330187e-06f, fmadd(nf, f32x16{} - 0.693145751953125f, x));
   f32x16 p = fmadd(r, f32x16{} + 1.f / 5040, f32x16{} + 1.f / 720);  // Horner steps as fused multiply-adds
   p = fmadd(p, r, f32x16{} + 1.f / 120);
   p = fmadd(p, r, f32x16{} + 1.f / 24);

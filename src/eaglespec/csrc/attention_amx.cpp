@@ -3,8 +3,9 @@
 // slots in slot order), with the products on the tile unit.
 //
 // Why: a verified tree's tokens each read the whole context. On vectors that costs about as much
-// per token as the first one (a 9-token tree ~5x one token); on tiles, 16 query rows share every
-// key and value tile, so a tree costs little more than one token.
+// per token as the first one; on tiles one product serves 16 query rows, so a tree's cost grows
+// much more slowly (scripts/attention_bench.py, 256 context tokens: 9 tokens 3.3x one token,
+// against 4.5x on vectors).
 //
 // Arithmetic, per (row r, token t), on its visible list of keys (positions i = 0..n-1):
 //   score_i = (dot of q_r and k_i as tile bf16 products accumulated in fp32 by `tdpbf16ps`, over
@@ -68,9 +69,9 @@ void configure() {
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // Per thread and call: one item's rows (T tokens x g query heads, r = t * g + j) and their state.
-// Buffers every part of which is written before it is read are left uninitialised (zeroing them
-// cost as much as the decode-sized call itself); rows past R of qb and pb feed only tile rows that
-// are never read, and are zeroed so that no garbage (NaN, denormal patterns) reaches the tile unit.
+// Buffers every part of which is written before it is read are left uninitialised; rows past R of
+// qb, pb and acc feed only tile rows that are never read, and are zeroed so that no garbage (NaN,
+// denormal patterns) reaches the tile unit.
 template <typename V>
 std::unique_ptr<V[]> uninit(int64_t n) { return std::unique_ptr<V[]>(new V[n]); }
 
@@ -82,7 +83,7 @@ struct Scratch {
   std::unique_ptr<uint16_t[]> qb, pb;            // [Rx][hd], [Rx][Sp]
   std::unique_ptr<uint32_t[]> qt;                // [Rx / 16][hd / 32][16][16]: queries transposed (score tiles B)
   std::unique_ptr<uint16_t[]> kpad;              // [16][hd]: a last, partial block of keys
-  std::unique_ptr<uint32_t[]> vt;                // [blocks][hd / 16][16][16]: value tiles of the shared blocks, then one more
+  std::unique_ptr<uint32_t[]> vt;                // [blocks][hd / 16][16][16]: shared blocks' value tiles, + 1
   std::vector<const uint16_t*> rows;             // kBlock row pointers (null: a zero row)
   std::vector<uint16_t> zero;                    // [hd]
   alignas(64) float cbuf[kPass][16 * 16];
@@ -90,16 +91,17 @@ struct Scratch {
       : R(c.T * c.g), Rx(round_up(R, 16) + 16), Sp(round_up(c.S > 0 ? c.S : 1, kBlock)), hd(c.chunks * LANES),
         slots(c.T * c.S), counts(c.T), scores(uninit<float>(Rx * Sp)), totals(uninit<float>(Rx)),
         acc(uninit<float>(Rx * hd)), qb(uninit<uint16_t>(Rx * hd)), pb(uninit<uint16_t>(Rx * Sp)),
-        qt(uninit<uint32_t>(Rx / 16 * (hd / 32) * 256)), kpad(uninit<uint16_t>(16 * hd)), vt(uninit<uint32_t>((Sp / kBlock + 1) * (hd / kDims) * 256)),
-        rows(kBlock), zero(hd, 0) {
+        qt(uninit<uint32_t>(Rx / 16 * (hd / 32) * 256)), kpad(uninit<uint16_t>(16 * hd)),
+        vt(uninit<uint32_t>((Sp / kBlock + 1) * (hd / kDims) * 256)), rows(kBlock), zero(hd, 0) {
     std::fill(qb.get() + R * hd, qb.get() + Rx * hd, 0);
     std::fill(pb.get() + R * Sp, pb.get() + Rx * Sp, 0);
+    std::fill(acc.get() + R * hd, acc.get() + Rx * hd, 0.f);
   }
 };
 
 // 16 dwords from each of 16 rows (the dword at column 16 * col of each) -> out rows 16 * col..+15
 // (out[(16 col + p) * 16 + n] = dword 16 col + p of row n).
-inline void transpose16(const uint32_t* const* src, int64_t col, uint32_t* kt) {
+inline void transpose16(const uint32_t* const* src, int64_t col, uint32_t* out) {
   __m512i r[16], t[16];
   for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(src[n] + 16 * col);
   for (int i = 0; i < 8; ++i) {  // 2x2 blocks of dwords
@@ -119,10 +121,10 @@ inline void transpose16(const uint32_t* const* src, int64_t col, uint32_t* kt) {
     const __m512i b = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
     const __m512i c = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xee);       // lanes 2,3 of each
     const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xee);
-    _mm512_storeu_si512(kt + (16 * col + 0 + k) * 16, _mm512_shuffle_i32x4(a, b, 0x88));   // lane 0
-    _mm512_storeu_si512(kt + (16 * col + 4 + k) * 16, _mm512_shuffle_i32x4(a, b, 0xdd));   // lane 1
-    _mm512_storeu_si512(kt + (16 * col + 8 + k) * 16, _mm512_shuffle_i32x4(c, d, 0x88));   // lane 2
-    _mm512_storeu_si512(kt + (16 * col + 12 + k) * 16, _mm512_shuffle_i32x4(c, d, 0xdd));  // lane 3
+    _mm512_storeu_si512(out + (16 * col + 0 + k) * 16, _mm512_shuffle_i32x4(a, b, 0x88));   // lane 0
+    _mm512_storeu_si512(out + (16 * col + 4 + k) * 16, _mm512_shuffle_i32x4(a, b, 0xdd));   // lane 1
+    _mm512_storeu_si512(out + (16 * col + 8 + k) * 16, _mm512_shuffle_i32x4(c, d, 0x88));   // lane 2
+    _mm512_storeu_si512(out + (16 * col + 12 + k) * 16, _mm512_shuffle_i32x4(c, d, 0xdd));  // lane 3
   }
 }
 
