@@ -182,9 +182,9 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
-    """csrc/attention.cpp's decode attention (on AMX tiles where `kernels.attention_amx()`; shapes as
-    `grouped_attention`), or None where it
-    cannot take the call (not bf16, head_dim not a multiple of 16, kernel not built)."""
+    """csrc/attention.cpp's decode attention (on AMX tiles where `kernels.attention_amx()`; shapes
+    as `grouped_attention`), or None where it cannot take the call (not bf16, head_dim not a
+    multiple of 16, kernel not built)."""
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.shape[-1] % 16 or k.stride(-1) != 1:
         return None
     from .kernels import attention_amx, ops_kernel

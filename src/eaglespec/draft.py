@@ -140,17 +140,22 @@ class DraftHead(nn.Module):
 
 def init_head_(head: DraftHead, seed: int = 0) -> DraftHead:
     """Reproducible init from a seed: normal(0, 0.02) weights (HF's), unit norms, zero biases."""
-    g = torch.Generator().manual_seed(seed)
+    _seeded_init_(head, torch.Generator().manual_seed(seed))
+    return head
+
+
+def _seeded_init_(module: nn.Module, g: torch.Generator, zero: tuple[str, ...] = ()) -> nn.Module:
+    """init_head_'s rule for every parameter of `module`, drawing from `g`; those named in `zero`
+    are zeroed instead."""
     with torch.no_grad():
-        for name, p in head.named_parameters():
+        for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith("bias"):
+            elif name.endswith("bias") or name in zero:
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return head
-
+    return module
 
 
 def grow_head_(head: DraftHead, num_layers: int, seed: int = 0) -> DraftHead:
@@ -166,17 +171,11 @@ def grow_head_(head: DraftHead, num_layers: int, seed: int = 0) -> DraftHead:
     for _ in range(num_layers - have):
         lay = DecoderLayer(head.config).to(dtype=p.dtype, device=p.device)
         lay.attn.exact_decode = False
-        with torch.no_grad():
-            for name, w in lay.named_parameters():
-                if name.endswith("norm.weight"):
-                    w.fill_(1.0)
-                elif name.endswith("bias") or name in ("attn.wo.weight", "mlp.w_down.weight"):
-                    w.zero_()
-                else:
-                    w.copy_(torch.randn(w.shape, generator=g) * 0.02)
+        _seeded_init_(lay, g, zero=("attn.wo.weight", "mlp.w_down.weight"))
         lay.requires_grad_(p.requires_grad)
         head.more.append(lay)
     return head
+
 
 # Either kind of head: what Proposer, SpecStep, Drafter and the engine take.
 Head = DraftHead | Eagle3Head

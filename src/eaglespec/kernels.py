@@ -144,10 +144,8 @@ def int8_a16_kernel() -> ModuleType | None:
     as `int4_kernel`. Built with AMX where the CPU has it; if that build fails, without."""
     kind = "int8a16"
     if kind not in _loaded and set(ISA) | set(AMX_ISA) <= cpu_features():
-        mod = _kernel(kind, SOURCES[kind], lambda: FLAGS + AMX_FLAGS, "a build without AMX")
-        if mod is not None:
-            return mod
-        _loaded.pop(kind, None)  # the AMX build failed (an old compiler): the VNNI path still serves
+        # An old compiler without AMX intrinsics: the retry builds the VNNI path.
+        return _kernel(kind, SOURCES[kind], lambda: FLAGS + AMX_FLAGS, f"torch's {kind} kernel", retry=lambda: FLAGS)
     return _vnni(kind)
 
 
