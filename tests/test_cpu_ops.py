@@ -218,3 +218,86 @@ def test_a_compiler_without_amx_still_builds_the_vector_paths(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_features", lambda: {"avx512_f", "amx_tile", "amx_bf16", "avx512_bf16"})
     assert kernels.ops_kernel() == "module"
     assert "-mamx-tile" in tried[0] and "-mamx-tile" not in tried[1] and "-mavx512f" in tried[1]
+
+
+def test_silu_mul_matches_torch_and_is_what_the_mlp_runs():
+    """silu(gate) * up with torch's two roundings: the same bits on these inputs (the sigmoid comes
+    from our exp, within an fp32 ulp or two of torch's, which bf16 rounding absorbs), row by row."""
+    from eaglespec.config import ModelConfig
+    from eaglespec.model import MLP
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 9, 2 * 1536, generator=g) * 4).bfloat16()
+    x[0, 0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0]).bfloat16()  # zero, and exp(-|x|) underflowing
+    gate, up = x.split(1536, dim=-1)
+    got = ops_kernel().silu_mul(x)
+    assert got.shape == (4, 9, 1536)
+    assert torch.equal(got, F.silu(gate) * up)
+    assert torch.equal(ops_kernel().silu_mul(x[2:3, 4:5]), got[2:3, 4:5])  # a row alone: the same bits
+    cfg = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=32)
+    mlp = MLP(cfg).bfloat16()
+    calls = []
+    real = ops_kernel().silu_mul
+    with torch.no_grad():
+        want = mlp.w_down(F.silu(mlp.w_gate_up(x[..., :64])[..., :96]) * mlp.w_gate_up(x[..., :64])[..., 96:])
+        import eaglespec.model as model_mod
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(ops_kernel(), name)
+
+            def silu_mul(self, t):
+                calls.append(t.shape)
+                return real(t)
+
+        orig = model_mod.ops_kernel
+        model_mod.ops_kernel = lambda: Spy()
+        try:
+            out = mlp(x[..., :64])
+        finally:
+            model_mod.ops_kernel = orig
+    assert calls == [(4, 9, 192)] and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 15, 16, 37, 8192, 49152])
+def test_argmax_rows_is_torch_argmax(dtype, width):
+    """The first maximum on ties, in the vector lanes, across lanes and in the tail; any shape."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(3, 6, width, generator=g).to(dtype)
+    x[0, 0] = 1.0  # every column ties: 0
+    if width > 20:
+        x[0, 1, [3, 19, width - 1]] = 50.0  # ties in one lane, then the tail
+        x[0, 2, [17, 2]] = 50.0  # ties across lanes: the lower column
+        x[0, 3, width - 1] = 60.0  # the maximum in the tail alone
+    got = ops_kernel().argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, x.argmax(-1))
+    assert torch.equal(ops_kernel().argmax_rows(x[1, 2:3]), got[1, 2:3])
+
+
+def test_argmax_rows_never_picks_nan_and_greedy_verification_uses_it(monkeypatch):
+    from eaglespec.spec.verify import greedy_tokens
+
+    x = torch.tensor([[1.0, float("nan"), 3.0, 2.0] * 8, [float("nan")] * 32])
+    assert ops_kernel().argmax_rows(x).tolist() == [2, 0]
+    logits = torch.randn(2, 5, 1000).bfloat16()
+    assert torch.equal(greedy_tokens(logits), logits.float().argmax(-1))
+    monkeypatch.setenv("EAGLESPEC_KERNELS", "0")  # the torch op, the same answer
+    assert torch.equal(greedy_tokens(logits), logits.float().argmax(-1))
+
+
+def test_draft_attention_takes_the_kernel_at_inference_and_flash_under_autograd(monkeypatch):
+    """exact=False (draft heads): our kernel outside autograd (fastest at drafting sizes), the flash
+    kernel while training, so gradients flow."""
+    q = torch.randn(1, 4, 3, 64).bfloat16()
+    k, v = torch.randn(1, 2, 20, 64).bfloat16(), torch.randn(1, 2, 20, 64).bfloat16()
+    mask = torch.rand(1, 1, 3, 20) < 0.7
+    mask[..., 0] = True
+    with torch.no_grad():
+        got = attend(q, k, v, mask, exact=False)
+    assert torch.equal(got, kernel_attention(q, k, v, mask))
+    qg = q.clone().requires_grad_()
+    out = attend(qg, k, v, mask, exact=False)
+    assert out.requires_grad
+    torch.testing.assert_close(out.detach().float(), got.float(), atol=2e-2, rtol=2e-2)

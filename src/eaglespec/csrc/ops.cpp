@@ -9,4 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether decode_attention can take amx=True (built with AMX-BF16, tile state granted)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows, normalised in fp32");
   m.def("rope", &rope, "rotary embedding (rotate-half layout) of bf16 heads");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of bf16 rows [..., 2I] -> [..., I], the reference's roundings");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 or fp32 rows; NaNs never win)");
 }

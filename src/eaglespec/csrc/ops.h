@@ -6,6 +6,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                                c10::optional<torch::Tensor> mask, double scale, bool amx);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor x);  // pointwise.cpp
+torch::Tensor argmax_rows(torch::Tensor x);
 namespace eaglespec {
 bool attention_amx_ready();  // attention_amx.cpp
 }

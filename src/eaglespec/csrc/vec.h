@@ -65,6 +65,30 @@ inline f32x16 fmadd(f32x16 a, f32x16 b, f32x16 c) {
 #endif
 }
 
+// exp of 16 values <= 0 (scores minus their maximum), ours rather than libm's so that the result
+// is the same function everywhere: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series
+// to r^7 (relative error below 2e-7), times 2^n built from the exponent bits. Below -87 the
+// result is clamped to exp(-87) (~1.6e-38), negligible against the maximum's weight of 1.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 lo = f32x16{} - 87.f;
+  x = x < lo ? lo : x;
+  const i32x16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, i32x16);  // rounds toward 0: ceil
+  const f32x16 nf = __builtin_convertvector(n, f32x16);
+  // r = x - n ln2, ln2 in two parts
+  const f32x16 r = fmadd(nf, f32x16{} - 1.428606765330187e-06f, fmadd(nf, f32x16{} - 0.693145751953125f, x));
+  f32x16 p = fmadd(r, f32x16{} + 1.f / 5040, f32x16{} + 1.f / 720);  // Horner steps as fused multiply-adds
+  p = fmadd(p, r, f32x16{} + 1.f / 120);
+  p = fmadd(p, r, f32x16{} + 1.f / 24);
+  p = fmadd(p, r, f32x16{} + 1.f / 6);
+  p = fmadd(p, r, f32x16{} + 0.5f);
+  p = fmadd(p, r, f32x16{} + 1.f);
+  p = fmadd(p, r, f32x16{} + 1.f);
+  const i32x16 bits = (n + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 inline float lane_sum(f32x16 v) {
   // A fixed pairwise tree over the 16 lanes: lane i + lane i + 8, then + 4, + 2, + 1.
   f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import ops_kernel
 from .rng import ACCEPT, BONUS, draw, uniforms
 from .sampling import RowSampling, row_probabilities
 from .tree import BatchAcceptance, BatchTree, acceptance_from_path
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dimension (the first maximum on ties, like argmax). max().indices is
-    4x faster than argmax on bf16 CPU tensors (1.5 ms vs 0.33 ms for 16 x 49k logits)."""
+    """argmax over the last dimension (the first maximum on ties, like argmax). On a CPU the
+    package's row kernel (csrc/pointwise.cpp; NaNs never win): torch took 0.7 ms for 16 x 49k
+    logits, in bf16 or fp32. Else max().indices, 4x faster than argmax on bf16 CPU tensors."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32) and logits.shape[-1]:
+        ops = ops_kernel()
+        if ops is not None:
+            return ops.argmax_rows(logits)
     return logits.max(-1).indices
 
 
