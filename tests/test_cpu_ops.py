@@ -301,3 +301,23 @@ def test_draft_attention_takes_the_kernel_at_inference_and_flash_under_autograd(
     out = attend(qg, k, v, mask, exact=False)
     assert out.requires_grad
     torch.testing.assert_close(out.detach().float(), got.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width,k", [(8192, 4), (8192, 1), (37, 5), (16, 16), (49152, 10)])
+def test_topk_logprobs_is_log_softmax_then_topk(dtype, width, k):
+    """Drafting's top-k: log_softmax's values (to a few fp32 ulps), the same tokens; equal logits
+    (frequent in bf16) rank by index, lower first, where torch's order is unspecified."""
+    g = torch.Generator().manual_seed(width + k)
+    x = (torch.randn(3, 4, width, generator=g) * 3).to(dtype)
+    x[0, 0, [9, 5]] = 50.0
+    vals, idx = ops_kernel().topk_logprobs(x, k)
+    want_vals, want_idx = F.log_softmax(x.float(), dim=-1).topk(k, dim=-1)
+    assert vals.dtype == torch.float32 and idx.dtype == torch.long and idx.shape == (3, 4, k)
+    torch.testing.assert_close(vals, want_vals, atol=1e-5, rtol=1e-6)
+    picked = x.gather(-1, idx)
+    assert torch.equal(picked, x.gather(-1, want_idx))  # the same values: any difference is a tie
+    assert bool(((picked[..., 1:] < picked[..., :-1]) | (idx[..., 1:] > idx[..., :-1])).all())
+    assert idx[0, 0, :2].tolist() == [5, 9][:k]
+    v1, i1 = ops_kernel().topk_logprobs(x[1, 2:3], k)  # a row alone: the same bits
+    assert torch.equal(v1, vals[1, 2:3]) and torch.equal(i1, idx[1, 2:3])

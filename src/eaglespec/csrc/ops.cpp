@@ -11,4 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "rotary embedding (rotate-half layout) of bf16 heads");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of bf16 rows [..., 2I] -> [..., I], the reference's roundings");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 or fp32 rows; NaNs never win)");
+  m.def("topk_logprobs", &topk_logprobs, "the k largest log-probabilities of each row of logits, and their indices",
+        py::arg("x"), py::arg("k"));
 }

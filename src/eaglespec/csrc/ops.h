@@ -8,6 +8,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor x);  // pointwise.cpp
 torch::Tensor argmax_rows(torch::Tensor x);
+std::vector<torch::Tensor> topk_logprobs(torch::Tensor x, int64_t k);
 namespace eaglespec {
 bool attention_amx_ready();  // attention_amx.cpp
 }

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..config import TreeConfig
 from ..draft import Head
+from ..kernels import ops_kernel
 from ..kv_cache import RowKVCache, row_attention_mask
 from ..model import Transformer
 from ..tree import static_layout
@@ -181,9 +182,16 @@ class Proposer:
         """[B, T, H] -> the k best draft tokens per node: (log-probabilities [B, T, k] fp32, target ids).
         `logits`: the nodes' draft logits when the caller has them already.
 
-        Log-softmax in fp32 (Drafter._top's): ranking by summed log-probabilities needs the precision."""
-        lp = F.log_softmax(self._logits(hidden) if logits is None else logits, dim=-1)
-        v, i = lp.topk(k, dim=-1)
+        Log-softmax in fp32 (Drafter._top's): ranking by summed log-probabilities needs the precision.
+        On a CPU one kernel call (csrc/pointwise.cpp) reads the head's bf16 logits and does both."""
+        if logits is None:
+            logits = self._lm_head(self.head.readout(hidden))
+        if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32):
+            ops = ops_kernel()
+            if ops is not None:
+                v, i = ops.topk_logprobs(logits, k)
+                return v, self.head.to_target_ids(i)
+        v, i = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return v, self.head.to_target_ids(i)
 
     def _sampled_chain(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor, view_len: int,
