@@ -1,6 +1,7 @@
-"""The pointwise CPU ops (csrc/pointwise.cpp) against the torch code they replaced, end to end:
-`silu_mul` in the gated MLP, `argmax_rows` in greedy verification, `topk_logprobs` in drafting,
-and the draft head's attention on the decode kernel instead of torch's flash kernel. Each prompt
+"""The fused CPU ops against the torch code they replaced, end to end: `silu_mul` in the gated MLP,
+`argmax_rows` in greedy verification, `topk_logprobs` in drafting (csrc/pointwise.cpp),
+`qkv_rope_write` after each attention layer's qkv product (csrc/norm_rope.cpp), and the draft
+head's attention on the decode kernel instead of torch's flash kernel. Each prompt
 runs vanilla and eagle2 (each tree) with the torch code ("torch") and with the kernels
 ("kernels"), interleaved prompt by prompt in one process, one thread; prints tokens/s, tau, draft
 ms per step, and whether every answer equals the torch arm's. Also times one call of each op at
@@ -27,10 +28,11 @@ from eaglespec.api import EagleSpec
 from eaglespec.attention import attend
 from eaglespec.config import SamplingConfig, TreeConfig
 from eaglespec.kernels import ops_kernel
+from eaglespec.kv_cache import RowKVCache
 from eaglespec.runtime.engine import Request
 
 KERNELS = {"mlp": model_mod.MLP.forward, "greedy": verify_mod.greedy_tokens, "attend": model_mod.attend,
-           "top": propose_mod.Proposer._top}
+           "top": propose_mod.Proposer._top, "qkv": RowKVCache.write_rotated}
 
 
 def torch_mlp(self, x):
@@ -54,12 +56,17 @@ def torch_top(self, hidden, k, logits=None):
     return v, self.head.to_target_ids(i)
 
 
-TORCH = {"mlp": torch_mlp, "greedy": torch_greedy, "attend": torch_attend, "top": torch_top}
+def torch_qkv(*args):
+    return None  # Attention.forward then splits, rotates and writes with separate torch operations
+
+
+TORCH = {"mlp": torch_mlp, "greedy": torch_greedy, "attend": torch_attend, "top": torch_top, "qkv": torch_qkv}
 
 
 def use(arm: dict) -> None:
     model_mod.MLP.forward, verify_mod.greedy_tokens = arm["mlp"], arm["greedy"]
     model_mod.attend, propose_mod.Proposer._top = arm["attend"], arm["top"]
+    RowKVCache.write_rotated = arm["qkv"]
 
 
 def per_call(f, calls: int = 200) -> float:

@@ -321,3 +321,46 @@ def test_topk_logprobs_is_log_softmax_then_topk(dtype, width, k):
     assert idx[0, 0, :2].tolist() == [5, 9][:k]
     v1, i1 = ops_kernel().topk_logprobs(x[1, 2:3], k)  # a row alone: the same bits
     assert torch.equal(v1, vals[1, 2:3]) and torch.equal(i1, idx[1, 2:3])
+
+
+@pytest.mark.parametrize("rows,t", [(1, 1), (1, 7), (3, 5)])
+def test_qkv_rope_write_is_the_separate_steps_bit_for_bit(rows, t, monkeypatch):
+    """The attention layer's split + RoPE + cache write in one call: the same output and the same
+    cache contents as the separate steps, for one row and for rows (a row slice of a larger cache)."""
+    from eaglespec.config import ModelConfig
+    from eaglespec.kv_cache import RowKVCache, row_attention_mask
+    from eaglespec.model import Attention, Rotary
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=128, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=32)
+    g = torch.Generator().manual_seed(rows * 10 + t)
+    attn = Attention(cfg).bfloat16()
+    for p in attn.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 0.2).bfloat16()
+    x = torch.randn(rows, t, 128, generator=g).bfloat16()
+    committed = torch.tensor([3, 9, 0][:rows])
+    slots = committed[:, None] + torch.arange(t)
+    cos, sin = Rotary(cfg)(slots, torch.bfloat16)
+    mask = row_attention_mask(committed, committed, torch.ones(rows, t, t, dtype=torch.bool).tril(), 20)[:, None]
+
+    start = (torch.arange(2 * (rows + 1) * 2 * 24 * 32) % 7).view(2, rows + 1, 2, 24, 32).bfloat16()
+
+    def run(fused: bool):
+        cache = RowKVCache(2, 2, 32, 24, rows + 1, torch.bfloat16)
+        cache.k.copy_(start)
+        cache.v.copy_(start * 2)
+        view = cache.rows(1, rows + 1)  # strided rows of a larger cache
+        view.prepare(slots, 20)
+        if not fused:
+            monkeypatch.setattr(RowKVCache, "write_rotated", lambda *a: None)
+        with torch.no_grad():
+            out = attn(x, cos, sin, view, 1, mask)
+        monkeypatch.undo()
+        return out, cache
+
+    (a, ca), (b, cb) = run(True), run(False)
+    assert torch.equal(a, b) and torch.equal(ca.k, cb.k) and torch.equal(ca.v, cb.v)
+    written = torch.zeros(2, rows + 1, 2, 24, 32, dtype=torch.bool)
+    for r in range(rows):
+        written[1, r + 1, :, slots[r]] = True
+    assert bool((ca.k != start)[~written].logical_not().all()) and bool((ca.k != start)[written].any())

@@ -151,6 +151,27 @@ class RowKVCache:
             self.v[layer][rows, :, slots] = v.transpose(1, 2)
         return self.k[layer, :, :, : self._view], self.v[layer, :, :, : self._view]
 
+    def write_rotated(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                      n_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`write` fused with what precedes it, in one kernel call (csrc/norm_rope.cpp): qkv [B, T,
+        (n_heads + 2 n_kv) hd] is split into heads, q and k rotated (cos, sin [B, 1, T, hd]) with
+        the bits `apply_rotary` gives, k and v written at the prepared slots. Returns (q [B, n_heads,
+        T, hd], the k and v views `write` returns), or None where the kernel does not take the call
+        (not bf16 on a CPU, autograd on, head_dim not a multiple of 32, no kernel): then the caller
+        runs the separate steps."""
+        hd = self.k.shape[-1]
+        if not (qkv.dtype == self.k.dtype == cos.dtype == torch.bfloat16 and qkv.device.type == "cpu"
+                and hd % 32 == 0 and not torch.is_grad_enabled() and qkv.stride(-1) == 1):
+            return None
+        from .kernels import ops_kernel
+
+        ops = ops_kernel()
+        if ops is None:
+            return None
+        assert self._slots is not None, "call prepare() before a forward"
+        q = ops.qkv_rope_write(qkv, cos, sin, self.k[layer], self.v[layer], self._slots, n_heads, n_kv)
+        return q, self.k[layer, :, :, : self._view], self.v[layer, :, :, : self._view]
+
     def advance(self, t: int) -> None:
         """Lengths move only when the step commits (after verification), not per forward."""
 

@@ -137,6 +137,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.wqkv(x)
+        fused = None
+        if cache is not None and self.q_norm is None and self.q_scale == 1.0 and hasattr(cache, "write_rotated"):
+            fused = cache.write_rotated(layer, qkv, cos, sin, self.n_heads, self.n_kv)
+        if fused is not None:  # split, RoPE and the cache write in one call, the same bits
+            q, k_all, v_all = fused
+            y = attend(q, k_all, v_all, mask, self.exact_decode)
+            return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
         q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(b, t, self.n_heads, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         k = k.view(b, t, self.n_kv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]

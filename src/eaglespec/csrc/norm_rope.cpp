@@ -75,3 +75,61 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
   return y;
 }
+
+// One attention layer's step after its qkv product: split qkv [B, T, (nh + 2 nkv) hd] into heads,
+// rotate q and k as `rope` does (the same bits), write k and v into the layer's KV cache rows at
+// their slots (k_cache, v_cache: [B, nkv, S, hd], any strides but a contiguous last dim; slots
+// [B, T]), and return q as a contiguous [B, nh, T, hd]. Replaces about 15 torch operations a
+// layer (split, views, transposes, two rope calls, two cache scatters).
+torch::Tensor qkv_rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                             torch::Tensor v_cache, torch::Tensor slots, int64_t nh, int64_t nkv) {
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
+                  sin.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16, "qkv_rope_write: bf16");
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1, "qkv_rope_write: qkv [B, T, W] with a contiguous last dim");
+  const int64_t B = qkv.size(0), T = qkv.size(1);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
+                  k_cache.size(1) == nkv && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "qkv_rope_write: caches [B, nkv, S, hd] with a contiguous last dim");
+  const int64_t S = k_cache.size(2), hd = k_cache.size(3), half = hd / 2;
+  TORCH_CHECK(qkv.size(2) == (nh + 2 * nkv) * hd, "qkv_rope_write: qkv width must be (nh + 2 nkv) * head_dim");
+  TORCH_CHECK(half % LANES == 0, "qkv_rope_write: head_dim must be a multiple of 32");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == B && slots.size(1) == T,
+              "qkv_rope_write: slots [B, T] int64");
+  slots = slots.contiguous();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(sl[i] >= 0 && sl[i] < S, "qkv_rope_write: slot out of range");
+  cos = cos.expand({B, 1, T, hd}).contiguous();
+  sin = sin.expand({B, 1, T, hd}).contiguous();
+  auto q = torch::empty({B, nh, T, hd}, qkv.options());
+  const auto* xp = qkv.data_ptr<c10::BFloat16>();
+  const auto* cp = cos.data_ptr<c10::BFloat16>();
+  const auto* sp = sin.data_ptr<c10::BFloat16>();
+  auto* qp = q.data_ptr<c10::BFloat16>();
+  auto* kp = k_cache.data_ptr<c10::BFloat16>();
+  auto* vp = v_cache.data_ptr<c10::BFloat16>();
+  const int64_t xb = qkv.stride(0), xt = qkv.stride(1);
+  const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), ks = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vs = v_cache.stride(2);
+  const int64_t heads = nh + 2 * nkv;
+  at::parallel_for(0, B * T * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i % heads, t = (i / heads) % T, b = i / (heads * T);
+      const c10::BFloat16* xr = xp + b * xb + t * xt + h * hd;
+      const int64_t slot = sl[b * T + t];
+      if (h >= nh + nkv) {  // a value head: copied as it is
+        std::memcpy(vp + b * vb + (h - nh - nkv) * vh + slot * vs, xr, hd * sizeof(c10::BFloat16));
+        continue;
+      }
+      c10::BFloat16* yr = h < nh ? qp + ((b * nh + h) * T + t) * hd : kp + b * kb + (h - nh) * kh + slot * ks;
+      const c10::BFloat16* cr = cp + (b * T + t) * hd;
+      const c10::BFloat16* sr = sp + (b * T + t) * hd;
+      for (int64_t c = 0; c < half; c += LANES) {  // rope's arithmetic, in its order
+        const f32x16 x1 = load_bf16(xr + c), x2 = load_bf16(xr + half + c);
+        store_bf16(yr + c, x1 * load_bf16(cr + c) - x2 * load_bf16(sr + c));
+        store_bf16(yr + half + c, x2 * load_bf16(cr + half + c) + x1 * load_bf16(sr + half + c));
+      }
+    }
+  });
+  return q;
+}

@@ -9,6 +9,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether decode_attention can take amx=True (built with AMX-BF16, tile state granted)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows, normalised in fp32");
   m.def("rope", &rope, "rotary embedding (rotate-half layout) of bf16 heads");
+  m.def("qkv_rope_write", &qkv_rope_write, "split qkv, rotate q and k, write k and v into the cache at slots; returns q",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("nh"), py::arg("nkv"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up of bf16 rows [..., 2I] -> [..., I], the reference's roundings");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (bf16 or fp32 rows; NaNs never win)");
   m.def("topk_logprobs", &topk_logprobs, "the k largest log-probabilities of each row of logits, and their indices",
