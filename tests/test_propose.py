@@ -245,3 +245,17 @@ def test_no_host_sync(models, monkeypatch, method):
     monkeypatch.undo()
     assert calls == []
     assert tree.tokens.shape == (3, p.budget)
+
+
+def test_frame_mask_is_row_attention_mask():
+    """The per-propose precomputed mask parts give row_attention_mask's mask exactly."""
+    from eaglespec.kv_cache import row_attention_mask
+    from eaglespec.spec.propose import _Frame
+
+    g = torch.Generator().manual_seed(0)
+    committed = torch.tensor([0, 5, 11])
+    for scratch, view_len, t in ((8, 19, 4), (1, 12, 1), (6, 30, 3)):
+        anc = torch.rand(3, t, scratch, generator=g) < 0.5
+        frame = _Frame.of(committed, scratch, view_len)
+        assert torch.equal(frame.mask(anc), row_attention_mask(committed, committed, anc, view_len))
+        assert torch.equal(frame.slots, committed[:, None] + torch.arange(scratch))

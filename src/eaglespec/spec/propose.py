@@ -52,6 +52,33 @@ class _Level:
     width: int  # top-k width their children need (highest child rank + 1)
 
 
+@dataclass
+class _Frame:
+    """What every head forward of one `propose` shares: the rows' committed lengths, the scratch
+    slots, and the parts of `row_attention_mask` that do not depend on the nodes (the scratch
+    block starts at each row's committed length at every depth)."""
+
+    committed: torch.Tensor  # [B]
+    slots: torch.Tensor  # [B, S] scratch slot s of each row
+    visible: torch.Tensor  # [B, 1, V] committed slots: seen by every node
+    in_block: torch.Tensor  # [B, 1, V] slots inside the scratch block
+    offset: torch.Tensor  # [B, 1, V] a slot's index into the block (clamped)
+
+    @classmethod
+    def of(cls, committed: torch.Tensor, scratch: int, view_len: int) -> "_Frame":
+        cols = torch.arange(view_len, device=committed.device)[None]  # [1, V]
+        rel = cols - committed[:, None]  # [B, V]
+        width = max(scratch, 1)
+        return cls(committed, committed[:, None] + torch.arange(scratch, device=committed.device),
+                   (cols < committed[:, None])[:, None], ((rel >= 0) & (rel < width))[:, None],
+                   rel.clamp(0, width - 1)[:, None])
+
+    def mask(self, anc: torch.Tensor) -> torch.Tensor:
+        """row_attention_mask(committed, committed, anc, view_len): anc [B, T, S] -> [B, T, V]."""
+        b, t, _ = anc.shape
+        return self.visible | (self.in_block & torch.gather(anc, 2, self.offset.expand(b, t, -1)))
+
+
 class Proposer:
     """Grows BatchTrees for B rows with a draft head of either kind (draft.DraftHead borrows the
     target's embedding and LM head; eagle3.Eagle3Head borrows the embedding and has its own LM head).
@@ -158,6 +185,7 @@ class Proposer:
         """
         b, n = root_token.shape[0], self.budget
         probs = None
+        self._frame = _Frame.of(cache.lengths, self.scratch, view_len)
         if n == 1:
             parents = torch.full((b, 1), -1, dtype=torch.long, device=root_token.device)
             tokens, (depth, ancestors) = root_token[:, None], ancestors_from_parents(parents, 0)
@@ -229,12 +257,10 @@ class Proposer:
 
         tokens [B, T]; parent_hidden [B, T, H]; anc [B, T, S] their ancestor-or-self scratch slots."""
         b, t = tokens.shape
-        committed = cache.lengths
-        slots = committed[:, None] + first + torch.arange(t, device=tokens.device)  # [B, T]
-        pos = (committed + depth - 1)[:, None].expand(b, t)
-        cache.prepare(slots, view_len)
-        return self.head.step(self.target.embed(tokens), parent_hidden, pos, cache,
-                              row_attention_mask(committed, committed, anc, view_len))  # [B, T, H]
+        frame = self._frame
+        pos = (frame.committed + depth - 1)[:, None].expand(b, t)
+        cache.prepare(frame.slots[:, first:first + t], view_len)
+        return self.head.step(self.target.embed(tokens), parent_hidden, pos, cache, frame.mask(anc))  # [B, T, H]
 
     def _static(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor,
                 view_len: int) -> torch.Tensor:

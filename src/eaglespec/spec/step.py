@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import pinned_ops
 from ..kv_cache import RowKVCache, row_attention_mask
 from ..model import Transformer, causal_mask
 from .propose import Proposer
@@ -97,6 +98,11 @@ class SpecStep:
 
         exact: `longest` is exactly the longest row's length (False when views are held at a fixed
         width for CUDA graphs). sync: called between phases when timing (torch.cuda.synchronize)."""
+        with pinned_ops():  # the kernels' switches read once a step, not once an op (drafting too)
+            return self._cycle(s, sampling, longest, times, sync, exact)
+
+    def _cycle(self, s: RowState, sampling: RowSampling, longest: int, times: StepTimes | None, sync,
+               exact: bool) -> BatchAcceptance:
         view_t, view_p, view_c = self.views(longest)
         t0 = time.perf_counter()
         t_len = s.target_cache.lengths.clone()  # [B] context before the tree
