@@ -91,6 +91,7 @@ class Proposer:
         """int8: draft with weight-only int8 products (spec/draft_quant.py; CPU), which changes
         only which tokens are proposed, never the output."""
         self.head, self.target, self.method = head, target, tree_cfg.method
+        self._frame: _Frame | None = None  # set by each propose for its head forwards
         # [Vd, H], in the head's dtype: drafting runs in the head's precision whatever the target's LM head is.
         self._lm = head.lm_weight(target.lm_head.weight).to(head.fc.weight.dtype).contiguous()
         self._lm_head = lambda h: F.linear(h, self._lm)
