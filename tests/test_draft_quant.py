@@ -105,3 +105,18 @@ def test_int8_drafting_keeps_seeded_sampling_batch_invariant():
 def test_auto_int8_only_for_bf16_heads_on_cpu():
     assert int8_supported(torch.device("cpu"), torch.bfloat16)
     assert not int8_supported(torch.device("cpu"), torch.float32)
+
+
+def test_int8_drafting_takes_16_bit_activations_on_amx_tiles(monkeypatch):
+    """Where the W8A16 kernel runs on tiles, widths of whole 64-blocks draft with it; the rest, and
+    every width without tiles (EAGLESPEC_AMX=0), keep the W8A8 kernel. Row-invariant either way."""
+    from eaglespec import kernels
+
+    w = torch.randn(32, 128, dtype=torch.bfloat16)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    lin = int8_linear(w)
+    assert lin.kernel == ("a16" if kernels.amx_tiles() else "vnni" if kernels.int8_kernel() else "torch")
+    assert torch.equal(lin(x[:2]), lin(x)[:2])
+    assert int8_linear(torch.randn(32, 48, dtype=torch.bfloat16)).kernel != "a16"  # 48: not a 64-block
+    monkeypatch.setenv("EAGLESPEC_AMX", "0")
+    assert int8_linear(w).kernel != "a16"
