@@ -12,8 +12,8 @@ however many rows: it is row-invariant (a row's result does not depend on the ot
 request drafts the same tree alone or in a batch, which keeps seeded sampling batch-invariant.
 Switching kernels by row count would break that. Where AMX tiles run, the products take 16-bit
 activations (the W8A16 kernel: a row's result is again one exact integer sum), and larger trees
-and batches draft cheaply (measured with the (8, 3, 4) tree: drafting 3.56 -> 3.15 ms a step
-alone, 6.43 -> 4.61 ms a request-step in batches of 4). Elsewhere the W8A8 VNNI kernel runs, and
+and batches draft cheaply (`scripts/draft_acts_ab.py`, the (8, 3, 4) tree: about the same alone,
+3.3-3.6 ms a step; in batches of 4, 6.4-7.2 -> 4.6-5.1 ms a request-step). Elsewhere the W8A8 VNNI kernel runs, and
 above about 12 rows (batches of 3-4 and more) the bf16 kernel would draft faster (measured: 16
 rows 1.3 vs 1.7 ms for the 8,192-row LM head, 64 rows 2.2 vs 5.6 ms); `Engine(draft_int8=False)`
 is the switch for large batches there.
