@@ -42,6 +42,16 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return y;
 }
 
+// One head of hd = 2 * half values: y = x * cos + concat(-x2, x1) * sin in fp32, rounded once.
+static inline void rotate_head(const c10::BFloat16* xr, const c10::BFloat16* cr, const c10::BFloat16* sr,
+                               c10::BFloat16* yr, int64_t half) {
+  for (int64_t c = 0; c < half; c += LANES) {
+    const f32x16 x1 = load_bf16(xr + c), x2 = load_bf16(xr + half + c);
+    store_bf16(yr + c, x1 * load_bf16(cr + c) - x2 * load_bf16(sr + c));
+    store_bf16(yr + half + c, x2 * load_bf16(cr + half + c) + x1 * load_bf16(sr + half + c));
+  }
+}
+
 // x: [B, n, T, hd] bf16 (any strides, last dim contiguous), cos/sin: [B, 1, T, hd] bf16.
 // Rotate-half layout: out = x * cos + concat(-x2, x1) * sin, in fp32, rounded once. Returns a
 // contiguous [B, n, T, hd].
@@ -66,11 +76,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
       const c10::BFloat16* cr = cp + (b * T + t) * hd;
       const c10::BFloat16* sr = sp + (b * T + t) * hd;
       c10::BFloat16* yr = yp + i * hd;
-      for (int64_t c = 0; c < half; c += LANES) {
-        const f32x16 x1 = load_bf16(xr + c), x2 = load_bf16(xr + half + c);
-        store_bf16(yr + c, x1 * load_bf16(cr + c) - x2 * load_bf16(sr + c));
-        store_bf16(yr + half + c, x2 * load_bf16(cr + half + c) + x1 * load_bf16(sr + half + c));
-      }
+      rotate_head(xr, cr, sr, yr, half);
     }
   });
   return y;
@@ -124,11 +130,7 @@ torch::Tensor qkv_rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
       c10::BFloat16* yr = h < nh ? qp + ((b * nh + h) * T + t) * hd : kp + b * kb + (h - nh) * kh + slot * ks;
       const c10::BFloat16* cr = cp + (b * T + t) * hd;
       const c10::BFloat16* sr = sp + (b * T + t) * hd;
-      for (int64_t c = 0; c < half; c += LANES) {  // rope's arithmetic, in its order
-        const f32x16 x1 = load_bf16(xr + c), x2 = load_bf16(xr + half + c);
-        store_bf16(yr + c, x1 * load_bf16(cr + c) - x2 * load_bf16(sr + c));
-        store_bf16(yr + half + c, x2 * load_bf16(cr + half + c) + x1 * load_bf16(sr + half + c));
-      }
+      rotate_head(xr, cr, sr, yr, half);  // rope's arithmetic: the same bits
     }
   });
   return q;
