@@ -27,7 +27,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eaglespec.config import EAGLE1_CHOICES, QUANT_TREE, SAMPLED_TREE, SamplingConfig, TreeConfig, default_tree
+from eaglespec.config import (EAGLE1_CHOICES, QUANT_SAMPLED_TREE, QUANT_TREE, SAMPLED_TREE, TILES_SAMPLED_TREE,
+                              SamplingConfig, TreeConfig, default_tree)
 from eaglespec.draft import init_random_head
 from eaglespec.kv_cache import RowKVCache
 from eaglespec.quant import greedy_exact, quantize_model
@@ -657,16 +658,17 @@ def test_sampled_chain_drafts_come_from_q(small_target):
 
 
 def test_sampled_eagle2_requests_default_to_a_chain(small_target):
-    """Without a tree, a sampled eagle2 request on a float target gets config.SAMPLED_TREE (a
-    chain: its drafts are sampled), a greedy one TreeConfig's default; quantised targets keep
-    QUANT_TREE either way, and eagle its static tree."""
+    """Without a tree, a sampled eagle2 request gets a chain (its drafts are sampled): SAMPLED_TREE on
+    a float target, TILES_SAMPLED_TREE on int8a16, QUANT_SAMPLED_TREE on int4 / int8; a greedy one
+    TreeConfig's default, or QUANT_TREE on int4 / int8; eagle its static tree."""
     assert default_tree("eagle2", "none", 0.7) == TreeConfig("eagle2", **SAMPLED_TREE)
-    assert SAMPLED_TREE["top_k"] == 1 and QUANT_TREE["top_k"] == 1
+    assert SAMPLED_TREE["top_k"] == TILES_SAMPLED_TREE["top_k"] == QUANT_SAMPLED_TREE["top_k"] == 1
     assert default_tree("eagle2", "none", 0.0) == default_tree("eagle2") == TreeConfig("eagle2")
-    assert default_tree("eagle2", "int4", 1.0) == default_tree("eagle2", "int4") == TreeConfig("eagle2", **QUANT_TREE)
-    assert default_tree("eagle", "none", 1.0) == TreeConfig("eagle")
+    assert default_tree("eagle2", "int4") == default_tree("eagle2", "int8") == TreeConfig("eagle2", **QUANT_TREE)
+    assert default_tree("eagle2", "int4", 1.0) == TreeConfig("eagle2", **QUANT_SAMPLED_TREE)
+    assert default_tree("eagle", "none", 1.0) == default_tree("eagle", "int4") == TreeConfig("eagle")
     assert default_tree("eagle2", "int8a16") == TreeConfig("eagle2")  # AMX: a tree costs about a decode
-    assert default_tree("eagle2", "int8a16", 1.0) == TreeConfig("eagle2", **QUANT_TREE)
+    assert default_tree("eagle2", "int8a16", 1.0) == TreeConfig("eagle2", **TILES_SAMPLED_TREE)
     engine = Engine(small_target, init_random_head(small_target.config, seed=3))
     with single_thread():
         sampled, greedy = engine.run([Request(PROMPT, "eagle2", None, SamplingConfig(1.0, seed=1), NEW),

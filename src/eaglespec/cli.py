@@ -11,7 +11,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .config import MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_TREE_TOPK, QUANT_TREE, SAMPLED_TREE, SamplingConfig, TreeConfig
+from .config import (MAX_TREE_DEPTH, MAX_TREE_TOKENS, MAX_TREE_TOPK, QUANT_SAMPLED_TREE, QUANT_TREE, SAMPLED_TREE,
+                     TILES_SAMPLED_TREE, SamplingConfig, TreeConfig)
 from .files import read_text_limited
 from .quant import QUANT_MODES
 from .runtime.request import GenerationError, check_text
@@ -53,13 +54,15 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     # Default None: an option given where it does not apply is refused, not silently ignored.
     p.add_argument("--total-tokens", type=int, default=None,
                    help=f"eagle2 tree size incl. root, 1..{MAX_TREE_TOKENS} (default {d.total_tokens}; "
-                        f"{QUANT_TREE['total_tokens']} under --quant int4/int8 and sampled int8a16, "
-                        f"{SAMPLED_TREE['total_tokens']} for sampled float targets)")
+                        f"{QUANT_TREE['total_tokens']} under --quant int4/int8; sampled requests get chains of "
+                        f"{QUANT_SAMPLED_TREE['total_tokens']} (int4/int8), {TILES_SAMPLED_TREE['total_tokens']} "
+                        f"(int8a16) or {SAMPLED_TREE['total_tokens']} (float))")
     p.add_argument("--depth", type=int, default=None,
-                   help=f"eagle2 drafting depth, 1..{MAX_TREE_DEPTH} (default {d.depth}; {QUANT_TREE['depth']} quantised)")
+                   help=f"eagle2 drafting depth, 1..{MAX_TREE_DEPTH} (default {d.depth}; {QUANT_TREE['depth']} "
+                        f"under --quant int4/int8; a sampled request's chain: its size - 1)")
     p.add_argument("--topk", type=int, default=None,
                    help=f"eagle2 children per expanded node, 1..{MAX_TREE_TOPK} (default {d.top_k}; "
-                        f"{QUANT_TREE['top_k']} quantised)")
+                        f"{QUANT_TREE['top_k']} under --quant int4/int8; 1 for sampled requests)")
     p.add_argument("--tree-choices", default=None, help="eagle static tree: JSON list of paths")
 
 

@@ -309,27 +309,32 @@ class TreeConfig:
                              f"{MAX_TREE_DEPTH}, got {len(self.choices)} paths")
 
 
-# eagle2's tree when the target runs the int4 / int8 CPU kernels: those cost about their row count
-# (a 4-row block at a time), so a bigger tree loses to vanilla (measured on MT-bench with the
-# shipped head, scripts/quant_ab.py: (2, 1, 1) 1.02x the int4 vanilla, (8, 3, 4) 0.73x; README,
-# "Quantised weights and exact bf16 output").
-QUANT_TREE = {"total_tokens": 2, "depth": 1, "top_k": 1}
+# eagle2's trees where a request names none, by target and by whether it samples, re-measured in
+# session 15 (scripts/tree_sweep.py on MT-bench first turns, the shipped head; README, "Tree
+# defaults, session 15"). Greedy requests on the int4 / int8 CPU kernels, whose products cost
+# about their row count: (6, 3, 2), 1.29-1.46x their vanilla against 1.21-1.25x for the chain
+# (2, 1, 1) that was the default while drafting cost more. Float and int8a16 (AMX) targets keep
+# TreeConfig's default (8, 3, 4) when greedy.
+QUANT_TREE = {"total_tokens": 6, "depth": 3, "top_k": 2}
 
-# eagle2's tree for sampled requests (temperature > 0) on float targets: a chain, whose drafts are
-# drawn from the head's distribution and pass with sum(min(p, q)) (spec/propose.py), where a top-k
-# tree's pass with p(token). Measured on MT-bench at T=1, bf16 (README, "Sampled chain drafts"):
-# (3, 2, 1) 1.30x vanilla, (8, 3, 4) 0.98x. Quantised targets keep QUANT_TREE, itself a chain.
+# Sampled requests (temperature > 0) get chains: their drafts are drawn from the head's
+# distribution and pass with sum(min(p, q)) (spec/propose.py), where a top-k tree's pass with
+# p(token). Float targets: (3, 2, 1), 1.30x vanilla at T=1 in bf16 against 0.98x for (8, 3, 4)
+# (README, "Sampled chain drafts"). int8a16 on AMX tiles, where a longer chain costs the target
+# little: (4, 3, 1), 1.33-1.34x against 1.21-1.22x for (2, 1, 1). int4 / int8: (2, 1, 1) (1.08x;
+# (3, 2, 1) 1.10x and (4, 3, 1) 1.06x, within noise).
 SAMPLED_TREE = {"total_tokens": 3, "depth": 2, "top_k": 1}
+TILES_SAMPLED_TREE = {"total_tokens": 4, "depth": 3, "top_k": 1}
+QUANT_SAMPLED_TREE = {"total_tokens": 2, "depth": 1, "top_k": 1}
 
 
 def default_tree(method: str, quant: str = "none", temperature: float = 0.0) -> TreeConfig:
-    """The tree a request gets when it names none: QUANT_TREE for eagle2 on int4 / int8 targets and
-    for sampled requests on int8a16 ones, SAMPLED_TREE for sampled eagle2 requests on float ones,
-    else TreeConfig's defaults. int8a16 keeps the full default tree at T=0: its products cost
-    about the same for 8 rows as for 1 on AMX (README, "int8a16": (8, 3, 4) 1.30x its vanilla,
-    (4, 2, 2) 1.33x, (2, 1, 1) 1.21x; at T=1 (2, 1, 1) 1.15x, (3, 2, 1) 1.09x)."""
-    if method == "eagle2" and (quant in ("int4", "int8") or (quant == "int8a16" and temperature > 0)):
+    """The tree a request gets when it names none (eagle: its static tree; eagle2: see above)."""
+    if method != "eagle2":
+        return TreeConfig(method)
+    if temperature > 0:
+        table = {"int4": QUANT_SAMPLED_TREE, "int8": QUANT_SAMPLED_TREE, "int8a16": TILES_SAMPLED_TREE}
+        return TreeConfig(method, **table.get(quant, SAMPLED_TREE))
+    if quant in ("int4", "int8"):
         return TreeConfig(method, **QUANT_TREE)
-    if method == "eagle2" and temperature > 0:
-        return TreeConfig(method, **SAMPLED_TREE)
     return TreeConfig(method)
