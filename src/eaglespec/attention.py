@@ -212,14 +212,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     fastest at these sizes: 10-35 us against the flash kernel's ~90 for a drafting depth), else
     the flash kernel, as for long blocks; never the slow torch-op fallback of the exact path."""
     small_cpu = q.shape[2] <= DECODE_ROWS and q.device.type == "cpu"
-    if not exact and small_cpu and DECODE_KERNEL == "exact" and not torch.is_grad_enabled():
+    if small_cpu and DECODE_KERNEL == "exact" and (exact or not torch.is_grad_enabled()):
         out = kernel_attention(q, k, v, mask)
         if out is not None:
             return out
     if exact and small_cpu and DECODE_KERNEL != "sdpa":
-        if DECODE_KERNEL == "exact":
-            out = kernel_attention(q, k, v, mask)
-            if out is not None:
-                return out
         return (plain_attention if DECODE_KERNEL == "plain" else grouped_attention)(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])

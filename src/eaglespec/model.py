@@ -142,8 +142,16 @@ class Attention(nn.Module):
             fused = cache.write_rotated(layer, qkv, cos, sin, self.n_heads, self.n_kv)
         if fused is not None:  # split, RoPE and the cache write in one call, the same bits
             q, k_all, v_all = fused
-            y = attend(q, k_all, v_all, mask, self.exact_decode)
-            return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+        else:
+            q, k_all, v_all = self._rotate_and_store(qkv, cos, sin, cache, layer)
+        y = attend(q, k_all, v_all, mask, self.exact_decode)
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+
+    def _rotate_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                          layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [B, T, (nh + 2 nkv) hd] -> q [B, nh, T, hd] and every key/value so far [B, nkv, S, hd],
+        as separate steps (q/k norms, RoPE, the cache write)."""
+        b, t, _ = qkv.shape
         q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = q.view(b, t, self.n_heads, self.hd).transpose(1, 2)  # [B, nh, T, hd]
         k = k.view(b, t, self.n_kv, self.hd).transpose(1, 2)  # [B, nkv, T, hd]
@@ -151,11 +159,8 @@ class Attention(nn.Module):
         q, k = self.qk_norm(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:  # training: the whole sequence at once, nothing to keep
-            k_all, v_all = k, v
-        else:
-            k_all, v_all = cache.write(layer, k, v)  # [B, nkv, S, hd], S = cached + T
-        y = attend(q, k_all, v_all, mask, self.exact_decode)
-        return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+            return q, k, v
+        return (q, *cache.write(layer, k, v))  # [B, nkv, S, hd], S = cached + T
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
