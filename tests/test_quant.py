@@ -104,6 +104,19 @@ def quant_tiny():
     return tiny_model(cfg, dtype=torch.bfloat16)
 
 
+def test_greedy_exact_needs_row_invariant_attention(monkeypatch):
+    """Without the package's attention kernel, a CPU without AVX-512 (whose torch bf16 products
+    are not row-invariant) withdraws the claim; with AVX-512 the torch fallback keeps it."""
+    from eaglespec import kernels
+
+    model = quantize_model(quant_tiny(), "int4")
+    monkeypatch.setattr(kernels, "ops_kernel", lambda: None)
+    monkeypatch.setattr(kernels, "cpu_features", lambda: {"avx2", "f16c"})
+    assert not greedy_exact(model)
+    monkeypatch.setattr(kernels, "cpu_features", lambda: {"avx2", "avx512_f"})
+    assert greedy_exact(model)
+
+
 @pytest.mark.parametrize("mode", ["int4", "int8", "int8a16"])
 def test_quantize_model_swaps_linears_and_stays_close(mode):
     ref = quant_tiny()

@@ -8,7 +8,7 @@ import torch
 
 from eaglespec import attention
 from eaglespec.attention import DECODE_ROWS, grouped_attention, kernel_attention
-from eaglespec.kernels import attention_amx, ops_kernel
+from eaglespec.kernels import attention_amx, cpu_features, ops_kernel
 from eaglespec.model import RMSNorm, apply_rotary
 from eaglespec.quant import Int4Linear, Int8Linear, int4_from_float, quantize_model
 from tiny import tiny_config, tiny_model
@@ -71,6 +71,10 @@ def test_tree_attention_equals_each_node_alone(context, which, monkeypatch):
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(context)
     needs_kernel(which, monkeypatch)
+    if which == "torch" and "avx512_f" not in cpu_features():
+        # Measured on an AVX2-only EPYC: a node's scores depend on its column in torch's bf16
+        # product; attention.exact_attention_here() (and so greedy_exact) says so there.
+        pytest.skip("torch's bf16 products are not row-invariant on CPUs without AVX-512")
     attend = grouped_attention if which == "torch" else kernel_attention
     nh, nkv, hd, n, pad = 9, 3, 64, DECODE_ROWS, 11
     k_ctx, v_ctx = (torch.randn(1, nkv, context, hd, generator=g).to(dtype) for _ in range(2))

@@ -205,6 +205,16 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 DECODE_KERNEL = "exact"
 
 
+def exact_attention_here() -> bool:
+    """Whether the exact path's attention is row-invariant on this CPU: the package's decode kernel
+    where it builds (row-invariant by construction), else `grouped_attention`, whose bf16 products
+    are torch's: measured row-invariant on CPUs with AVX-512, but not on an AVX2-only EPYC, where
+    a node's scores depend on its column in the product (tests/test_row_invariance.py)."""
+    from .kernels import cpu_features, ops_kernel
+
+    return ops_kernel() is not None or "avx512_f" in cpu_features()
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            exact: bool = True) -> torch.Tensor:
     """Route one attention call (shapes as `grouped_attention`; mask [T, S] or [B, 1, T, S]).

@@ -4,7 +4,8 @@ Owns: deciding whether a kernel can run here (CPU features, `EAGLESPEC_KERNELS=0
 building it with torch's JIT extension builder into ~/.cache/eaglespec/kernels/<hash> (the hash
 covers the sources, the headers beside them, torch, Python and the flags), loading a built one
 without the builder, and the weight layouts the kernels read (`pack_int4`, `pack_int8`). Two
-families: the VNNI GEMMs (int4_gemm, int8_gemm; AVX512-VNNI only) and the portable per-token ops
+families: the integer GEMMs (int4_gemm, int8_gemm: AVX512-VNNI, or AVX2 with the same bits;
+int8_a16_gemm: AVX512-VNNI / AMX only) and the portable per-token ops
 (ops: decode attention, RMSNorm, RoPE). Anything that fails gives None:
 callers keep torch's kernels.
 
@@ -43,6 +44,11 @@ ISA = ("avx512_f", "avx512_bw", "avx512_vnni")
 # The W8A16 kernel's tile path is compiled in only where the CPU has AMX-INT8 (and runs only once
 # Linux has granted the tile state: `amx_tiles`); elsewhere the same source builds its VNNI path.
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]
+# CPUs without AVX-512 (most desktops, many EPYCs): int4_gemm and int8_gemm build their AVX2 path,
+# the same integer sums and float steps 8 lanes at a time (csrc/common.h), so the same bits.
+AVX2_FLAGS = ["-O3", "-mavx2", "-mf16c", "-ffp-contract=off"]
+AVX2_ISA = ("avx2", "f16c")
+AVX2_KINDS = ("int4", "int8")
 AMX_ISA = ("amx_tile", "amx_int8")
 
 _loaded: dict[str, ModuleType | None] = {}
@@ -135,9 +141,18 @@ def _kernel(kind: str, sources: list[Path], flags: Callable[[], list[str]] | Non
     return _loaded[kind]
 
 
+def gemm_flags(kind: str, features: set[str]) -> list[str] | None:
+    """The build flags of integer GEMM `kind` on a CPU with `features`, or None where it cannot run."""
+    if set(ISA) <= features:
+        return FLAGS
+    if kind in AVX2_KINDS and set(AVX2_ISA) <= features:
+        return AVX2_FLAGS
+    return None
+
+
 def _vnni(kind: str) -> ModuleType | None:
-    runs = kind in _loaded or set(ISA) <= cpu_features()  # CPU features read only until loaded
-    return _kernel(kind, SOURCES[kind], (lambda: FLAGS) if runs else None, f"torch's {kind} kernel")
+    flags = FLAGS if kind in _loaded else gemm_flags(kind, cpu_features())  # CPU features read only until loaded
+    return _kernel(kind, SOURCES[kind], (lambda: flags) if flags is not None else None, f"torch's {kind} kernel")
 
 
 def int8_a16_kernel() -> ModuleType | None:
@@ -160,13 +175,14 @@ def amx_tiles() -> bool:
 
 
 def int4_kernel() -> ModuleType | None:
-    """The W4A8 VNNI kernel module (`int4_gemm(x, codes, params)`), or None where it cannot run:
-    `EAGLESPEC_KERNELS=0`, a CPU without AVX512-VNNI (silently) or a failed build (one warning)."""
+    """The W4A8 kernel module (`int4_gemm(x, codes, params)`), or None where it cannot run:
+    `EAGLESPEC_KERNELS=0`, a CPU with neither AVX512-VNNI nor AVX2 (silently) or a failed build
+    (one warning)."""
     return _vnni("int4")
 
 
 def int8_kernel() -> ModuleType | None:
-    """The W8A8 VNNI kernel module (`int8_gemm(x, codes, wscale)`), or None, as `int4_kernel`."""
+    """The W8A8 kernel module (`int8_gemm(x, codes, wscale)`), or None, as `int4_kernel`."""
     return _vnni("int8")
 
 

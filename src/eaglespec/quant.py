@@ -302,5 +302,8 @@ def greedy_exact(model: nn.Module) -> bool:
     if model.device.type != "cpu" or getattr(model, "quant", "none") not in INT_MODES:
         return False
     # A linear the kernels could not take (an odd width, an MoE router) stays a float nn.Linear,
-    # whose product is not row-invariant: then the guarantee does not hold.
-    return not any(isinstance(m, nn.Linear) for m in model.modules())
+    # whose product is not row-invariant: then the guarantee does not hold. Nor does it where the
+    # attention falls back to torch's products on a CPU where those are not row-invariant.
+    from .attention import exact_attention_here
+
+    return not any(isinstance(m, nn.Linear) for m in model.modules()) and exact_attention_here()

@@ -1,4 +1,4 @@
-// Row-invariant W4A8 GEMM for CPUs with AVX512-VNNI: y[M, N] (bf16) = x[M, K] (bf16) W^T, with W as
+// Row-invariant W4A8 GEMM for CPUs with AVX512-VNNI or AVX2: y[M, N] (bf16) = x[M, K] (bf16) W^T, with W as
 // 4-bit codes in groups of 32 inputs (w = q * scale + zero8 per group, q in 0..15).
 //
 // Owns: the integer product and its layout (activations are quantised by common.h). The weight layout is built in Python (eaglespec/kernels.py, pack_int4):
@@ -13,12 +13,16 @@
 // groups in order. Nothing depends on M or on the thread split (threads take whole output tiles),
 // so a row's output is the same bits alone or among others; tests/test_int4_kernel.py checks
 // this against a torch reference of the same operations, bit for bit.
+// The AVX2 build forms the same integer sums S_n with vpmaddubsw (code q <= 15 times |a| <= 127:
+// a pair is at most 3,810, so the 8 pairs of a lane sum to at most 30,480 in 16 bits, exactly)
+// and runs the same float steps 8 outputs at a time: the same bits as the AVX512 build.
 #include "common.h"
 
 namespace {
 
 using namespace eaglespec;
 
+#if defined(__AVX512VNNI__)
 // R rows (consecutive, from row m0) x one tile of 16 outputs. R only sets how many rows share a
 // weight load; each row's operations are the same for any R.
 template <int R>
@@ -60,6 +64,55 @@ void tile_rows(const uint8_t* codes, const uint16_t* params, int64_t G, const in
   for (int r = 0; r < R; ++r)
     _mm256_storeu_si256((__m256i*)(y + (m0 + r) * N + n0), to_bf16(acc[r]));
 }
+
+#else  // AVX2
+
+// R rows (consecutive, from row m0) x one tile of 16 outputs, as two halves of 8 (a 256-bit
+// register holds 8 outputs x 4 inputs of a chunk). R only sets how many rows share a weight load.
+template <int R>
+void tile_rows(const uint8_t* codes, const uint16_t* params, int64_t G, const int8_t* a, const float* d,
+               const float* c, int64_t K, int64_t m0, uint16_t* y, int64_t N, int64_t n0) {
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wg = codes + g * 256 + 32 * h;
+      __m256i w[8];  // w[s]: inputs 4s..4s+3 of the group, outputs 8h..8h+7
+      for (int ch = 0; ch < 4; ++ch) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(wg + 64 * ch));
+        w[ch] = _mm256_and_si256(v, nib);
+        w[ch + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+      }
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(params + g * 32 + 8 * h)));  // exact
+      const __m256 zero8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(params + g * 32 + 16 + 8 * h)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* ag = a + (m0 + r) * K + g * kGroup;
+        __m256i t = _mm256_setzero_si256();  // 16-bit pair sums, exact (header)
+#pragma GCC unroll 4
+        for (int st = 0; st < 4; ++st) {
+          int32_t f0, f1;
+          __builtin_memcpy(&f0, ag + 4 * st, 4);
+          __builtin_memcpy(&f1, ag + 16 + 4 * st, 4);
+          t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[st], _mm256_set1_epi32(f0)));
+          t = _mm256_add_epi16(t, _mm256_maddubs_epi16(w[st + 4], _mm256_set1_epi32(f1)));
+        }
+        const __m256i s = _mm256_madd_epi16(t, ones);  // S_n for 8 outputs
+        const float dg = d[(m0 + r) * (K / kGroup) + g];
+        const float cg = c[(m0 + r) * (K / kGroup) + g];
+        __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(scale, _mm256_set1_ps(dg)));
+        __m256 p2 = _mm256_mul_ps(zero8, _mm256_set1_ps(cg));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(p1, p2));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_si128((__m128i*)(y + (m0 + r) * N + n0 + 8 * h), to_bf16(acc[r]));
+  }
+}
+
+#endif
 
 constexpr int kRows = 8;  // rows sharing one weight load (registers: 8 codes + kRows accumulators)
 

@@ -1,4 +1,4 @@
-// Row-invariant W8A8 GEMM for CPUs with AVX512-VNNI: y[M, N] (bf16) = x[M, K] (bf16) W^T, with W as
+// Row-invariant W8A8 GEMM for CPUs with AVX512-VNNI or AVX2: y[M, N] (bf16) = x[M, K] (bf16) W^T, with W as
 // int8 per output row (w = q * wscale, q in -127..127): the LM head and the `int8` mode's linears.
 //
 // Owns: the integer product and its layout (activations are quantised by common.h). The layout is
@@ -11,12 +11,16 @@
 //   acc_n += float(S_n) * d  (fp32, no FMA, groups in order); y_n = acc_n * wscale_n.
 // Threads take whole output tiles, and nothing depends on M: row-invariant by construction
 // (tests/test_int4_kernel.py compares with a torch reference of the same operations, bit for bit).
+// The AVX2 build forms S_n = sum q a directly: vpmaddubsw of |a| by q carrying a's sign (|q|, |a|
+// <= 127, so a pair fits 16 bits), widened to 32 bits pair by pair; then the same float steps,
+// 8 outputs at a time: the same bits as the AVX512 build.
 #include "common.h"
 
 namespace {
 
 using namespace eaglespec;
 
+#if defined(__AVX512VNNI__)
 template <int R>
 void tile_rows(const uint8_t* codes, const float* wscale, int64_t G, const int8_t* a, const float* d,
                const int32_t* sums, int64_t K, int64_t m0, uint16_t* y, int64_t N, int64_t n0) {
@@ -47,6 +51,44 @@ void tile_rows(const uint8_t* codes, const float* wscale, int64_t G, const int8_
   for (int r = 0; r < R; ++r)
     _mm256_storeu_si256((__m256i*)(y + (m0 + r) * N + n0), to_bf16(_mm512_mul_ps(acc[r], ws)));
 }
+
+#else  // AVX2
+
+template <int R>
+void tile_rows(const uint8_t* codes, const float* wscale, int64_t G, const int8_t* a, const float* d,
+               const int32_t* sums, int64_t K, int64_t m0, uint16_t* y, int64_t N, int64_t n0) {
+  (void)sums;  // S_n needs no correction here
+  const __m256i offset = _mm256_set1_epi8((char)0x80);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {  // outputs 8h..8h+7
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i w[8];  // w[s]: q (signed) of inputs 4s..4s+3 of the group
+      for (int st = 0; st < 8; ++st)
+        w[st] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(codes + g * 512 + 64 * st + 32 * h)), offset);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* ag = a + (m0 + r) * K + g * kGroup;
+        __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int st = 0; st < 8; ++st) {
+          int32_t f;
+          __builtin_memcpy(&f, ag + 4 * (st & 3) + 16 * (st >> 2), 4);
+          const __m256i av = _mm256_set1_epi32(f);
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(av), _mm256_sign_epi8(w[st], av));
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(pairs, ones));  // integer: exact in any order
+        }
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d[(m0 + r) * G + g])));
+      }
+    }
+    const __m256 ws = _mm256_loadu_ps(wscale + n0 + 8 * h);
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_si128((__m128i*)(y + (m0 + r) * N + n0 + 8 * h), to_bf16(_mm256_mul_ps(acc[r], ws)));
+  }
+}
+
+#endif
 
 constexpr int kRows = 8;  // rows sharing one weight load (registers: 8 codes + kRows accumulators)
 
