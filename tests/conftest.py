@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Engines with a head that ships a tau table (the default one) would time its trees on first load
+# (runtime/tree_tuning.py); the suite keeps the static defaults, and test_tree_tuning.py turns it
+# on where it is the subject. Child processes inherit this.
+os.environ["EAGLESPEC_TREE_TUNING"] = "0"
 
 # ChatML, as SmolLM2 and Qwen2 use it (no default system prompt, to keep prompts short).
 CHATML = (

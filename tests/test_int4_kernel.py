@@ -1,6 +1,7 @@
-"""The VNNI kernels (eaglespec.kernels): W4A8 int4 (csrc/int4_gemm.cpp) and W8A8 int8
-(csrc/int8_gemm.cpp, the LM head and the int8 mode). Each is bitwise equal to a torch reference of
-the same operations, row-invariant, close to the float weights; and the fallbacks (the
+"""The integer kernels (eaglespec.kernels): W4A8 int4 (csrc/int4_gemm.cpp) and W8A8 int8
+(csrc/int8_gemm.cpp, the LM head and the int8 mode), each in the build this CPU takes (AVX512-VNNI
+or AVX2). Each is bitwise equal to a torch reference of the same operations, row-invariant, close
+to the float weights; the AVX2 build equals the AVX512 one where both run; and the fallbacks (the
 `INT4_KERNEL` / `INT8_KERNEL` switches, `EAGLESPEC_KERNELS=0`, a failed build, shapes they do not
 take)."""
 
@@ -17,9 +18,9 @@ import torch
 from eaglespec import kernels, quant
 from eaglespec.quant import Int4Linear, Int4Weights, Int8Linear, int4_from_float, quantize_rows_int8
 
-WHY = "cannot run here (no AVX512-VNNI, no compiler, or EAGLESPEC_KERNELS=0); torch's kernel is used instead"
-needs_int4_kernel = pytest.mark.skipif(kernels.int4_kernel() is None, reason="the VNNI int4 kernel " + WHY)
-needs_int8_kernel = pytest.mark.skipif(kernels.int8_kernel() is None, reason="the VNNI int8 kernel " + WHY)
+WHY = "cannot run here (neither AVX512-VNNI nor AVX2, no compiler, or EAGLESPEC_KERNELS=0); torch's kernel is used instead"
+needs_int4_kernel = pytest.mark.skipif(kernels.int4_kernel() is None, reason="the int4 kernel " + WHY)
+needs_int8_kernel = pytest.mark.skipif(kernels.int8_kernel() is None, reason="the int8 kernel " + WHY)
 
 # The default model's linear shapes (out, in): fused qkv, o, fused gate_up, down.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -260,3 +261,25 @@ def test_int8_close_to_the_float_weights_and_switch():
         lin = Int8Linear(w, bias, kernel=kernel)
         assert lin.kernel == kernel
         assert (lin(x).double() - ref).abs().max() < 0.03 * ref.abs().max()
+
+
+@pytest.mark.skipif(kernels.gemm_flags("int4", kernels.cpu_features()) != kernels.FLAGS,
+                    reason="the AVX512-VNNI build does not run here (an AVX2-only CPU tests its own build "
+                           "against the torch references above)")
+def test_avx2_build_equals_the_avx512_build():
+    """Built both ways on a CPU that runs both: the same bits for every row count (the AVX2 path
+    is what CPUs without AVX-512 run)."""
+    g = torch.Generator().manual_seed(21)
+    w4 = weights((960, 576), 22)
+    codes4, params4 = kernels.pack_int4(w4.q, w4.scale, w4.zero)
+    q8, s8 = quantize_rows_int8(int8_weight((1024, 576), 23))
+    codes8, wscale8 = kernels.pack_int8(q8, s8)
+    x = torch.randn(37, 576, generator=g).bfloat16()
+    x[3, :32] = 0
+    x[5, 40:45] = 1e4
+    for kind, args in (("int4", (codes4, params4)), ("int8", (codes8, wscale8))):
+        wide = getattr(kernels, f"{kind}_kernel")()
+        narrow = kernels._build(f"eaglespec_{kind}_avx2", kernels.SOURCES[kind], kernels.AVX2_FLAGS)
+        fn = f"{kind}_gemm"
+        for rows in (1, 3, 8, 37):
+            assert torch.equal(getattr(narrow, fn)(x[:rows], *args), getattr(wide, fn)(x[:rows], *args)), (kind, rows)

@@ -53,7 +53,9 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     d = TreeConfig()
     # Default None: an option given where it does not apply is refused, not silently ignored.
     p.add_argument("--total-tokens", type=int, default=None,
-                   help=f"eagle2 tree size incl. root, 1..{MAX_TREE_TOKENS} (default {d.total_tokens}; "
+                   help=f"eagle2 tree size incl. root, 1..{MAX_TREE_TOKENS} (default: the tree of the head's tau "
+                        "table with the most tokens/s on this machine, timed once and cached, for a head that "
+                        f"ships one, as the default head does; else {d.total_tokens}; "
                         f"{QUANT_TREE['total_tokens']} under --quant int4/int8; sampled requests get chains of "
                         f"{QUANT_SAMPLED_TREE['total_tokens']} (int4/int8), {TILES_SAMPLED_TREE['total_tokens']} "
                         f"(int8a16) or {SAMPLED_TREE['total_tokens']} (float))")
@@ -122,7 +124,7 @@ def tree_from(args) -> TreeConfig | None:
             kw["top_k" if name == "topk" else name] = value
     if args.tree_choices:
         kw["choices"] = load_choices(args.tree_choices)
-    # None: the engine's default for the target (config.default_tree: smaller under --quant int4/int8)
+    # None: the engine's default (Engine.default_tree: timed for this machine, or config.default_tree)
     return TreeConfig(method=args.method, **kw) if kw else None
 
 

@@ -309,7 +309,9 @@ class TreeConfig:
                              f"{MAX_TREE_DEPTH}, got {len(self.choices)} paths")
 
 
-# eagle2's trees where a request names none, by target and by whether it samples, re-measured in
+# eagle2's trees where a request names none and the head ships no tau table (a head that does gets
+# the tree timed fastest on the machine: runtime/tree_tuning.py), by target and by whether it
+# samples, re-measured in
 # session 15 (scripts/tree_sweep.py on MT-bench first turns, the shipped head; README, "Tree
 # defaults, session 15"). Greedy requests on the int4 / int8 CPU kernels, whose products cost
 # about their row count: (6, 3, 2), 1.29-1.46x their vanilla against 1.21-1.25x for the chain

@@ -269,8 +269,20 @@ def _write_config(path: Path, cfg: dict) -> None:
 def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
               device: str | torch.device = "cpu") -> Head:
     """Load a head from our format or a released EAGLE-1/2 or EAGLE-3 checkpoint (the kind is
-    detected); refuse one that does not fit the target."""
-    path = Path(path)
+    detected); refuse one that does not fit the target. The head's measured tau by tree, where
+    its config.json has one ("eaglespec": {"tree_tau": ...}), becomes `head.tree_tau`: the engine
+    picks its default trees for the machine from it (runtime/tree_tuning.py)."""
+    head = _load_head(Path(path), target, dtype, device)
+    ours = json.loads((Path(path) / "config.json").read_text()).get("eaglespec")
+    raw_tau = ours.get("tree_tau") if isinstance(ours, dict) else None
+    if raw_tau is not None:
+        from .runtime.tree_tuning import parse_tree_tau
+
+        head.tree_tau = parse_tree_tau(raw_tau, f"draft head {path}")
+    return head
+
+
+def _load_head(path: Path, target: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> Head:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ConfigError(f"draft head {path}: no config.json")

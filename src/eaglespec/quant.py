@@ -4,7 +4,8 @@ Decoding a small model on a CPU is bound by reading its weights (270 MB a token 
 default model). The modes:
 - `int4`: 4-bit weights in groups of 32 along the input, w = (q - 8) * scale + zero, run by the
   package's W4A8 kernel (csrc/int4_gemm.cpp: activations int8 per group of 32, integer products
-  with AVX512-VNNI) where it builds, else torch's `_weight_int4pack_mm_for_cpu`. A GGUF's Q4_0 / Q4_1 blocks are repacked as they are (Q4_1's
+  with AVX512-VNNI, or AVX2 with the same bits) where it builds, else torch's
+  `_weight_int4pack_mm_for_cpu`. A GGUF's Q4_0 / Q4_1 blocks are repacked as they are (Q4_1's
   w = d * q + m is scale d, zero m + 8d; Q4_0's w = d * (q - 8) is zero 0); float checkpoints are
   quantised on load (asymmetric min/max per group).
 - `int8`: per-output-row symmetric int8, run by the package's W8A8 kernel (csrc/int8_gemm.cpp)

@@ -10,7 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..config import TreeConfig, default_tree
+from ..config import TreeConfig
 from ..cli import add_quant_arg
 from ..files import atomic_write_text
 from ..weights import DEFAULT_MODEL
@@ -45,7 +45,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     add_quant_arg(p)
     p.add_argument("--total-tokens", type=int, default=None, help="eagle2 tree size incl. root (default: "
-                   "the engine's, config.default_tree)")
+                   "the engine's: tuned for this machine where the head ships a tau table, else config.default_tree)")
     p.add_argument("--depth", type=int, default=None, help="eagle2 drafting depth")
     p.add_argument("--topk", type=int, default=None, help="eagle2 children per expanded node")
     p.add_argument("--tree-choices", default=None, help="eagle static tree: JSON list of paths")
@@ -73,13 +73,13 @@ def cmd_bench(args) -> int:
     items = load_datasets(names, limit=args.limit, categories=args.categories, paths=paths, data=args.data)
     set_threads()
     engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
-    base = default_tree("eagle2", engine.target.quant)
+    if any(m in ("eagle", "eagle2") for m in args.methods) or args.alpha:
+        engine.set_draft(args.draft)
+    base = engine.engine.default_tree("eagle2")  # this machine's, where the head ships a tau table
     kw = {"choices": load_choices(args.tree_choices)} if args.tree_choices else {}
     tree = TreeConfig(total_tokens=base.total_tokens if args.total_tokens is None else args.total_tokens,
                       depth=base.depth if args.depth is None else args.depth,
                       top_k=base.top_k if args.topk is None else args.topk, **kw)
-    if any(m in ("eagle", "eagle2") for m in args.methods) or args.alpha:
-        engine.set_draft(args.draft)
     if args.batch_size is not None:
         return _cmd_throughput(args, engine, items, tree)
     methods, notes = build_methods(args.methods, engine, tree, alpha=args.alpha)

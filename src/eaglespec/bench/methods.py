@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import SamplingConfig, TreeConfig, default_tree
+from ..config import SamplingConfig, TreeConfig
 from ..runtime.request import tau
 
 METHODS = ("vanilla", "eagle", "eagle2", "hf", "hf-pld", "llamacpp")
@@ -241,7 +241,7 @@ def build_methods(names: list[str], engine, tree: TreeConfig | None = None, alph
     if "vanilla" not in names:
         notes.append("vanilla added: it is the reference for speedup and the lossless check")
     names = ["vanilla"] + [n for n in dict.fromkeys(names) if n != "vanilla"] + ([CHAIN] if alpha else [])
-    t = tree or default_tree("eagle2", getattr(engine.target, "quant", "none"))
+    t = tree or engine.engine.default_tree("eagle2")
     trees = {"vanilla": None, "eagle": TreeConfig(method="eagle", choices=t.choices),
              "eagle2": TreeConfig(method="eagle2", total_tokens=t.total_tokens, depth=t.depth, top_k=t.top_k),
              CHAIN: TreeConfig(method="eagle", choices=CHAIN_CHOICES)}

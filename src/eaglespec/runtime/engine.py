@@ -38,6 +38,7 @@ from ..spec.sampling import RowSampling
 from ..spec.draft_quant import int8_supported
 from ..spec.graphs import GraphedSteps
 from ..spec.step import RowState, SpecStep, StepTimes, prefill_row
+from . import tree_tuning
 from .request import GenerationError, GenerationStats, StopChecker, check_request
 
 CAPACITY_QUANTUM = 256  # KV caches grow in steps of this many slots
@@ -317,6 +318,9 @@ class Engine:
         self.lanes: dict[tuple, Lane] = {}
         self.waiting: deque[Request] = deque()
         self._ids = itertools.count(1)
+        self.tuned: dict[str, tree_tuning.TreeChoice] = {}  # "greedy" / "sampled" -> this machine's tree
+        if head is not None:
+            self.tune_trees()
 
     def set_head(self, head: Head | None) -> None:
         with self.lock:
@@ -324,6 +328,26 @@ class Engine:
                 raise RuntimeError("cannot change the draft head while speculative requests are running")
             self.head = head
             self.lanes = {k: v for k, v in self.lanes.items() if k[0] == "vanilla"}
+            self.tuned = {}
+            self.tune_trees()
+
+    def tune_trees(self) -> None:
+        """Pick eagle2's default trees for this machine where the head ships a tau table
+        (runtime/tree_tuning.py; cached per machine, so timed once). Before any request runs."""
+        taus = getattr(self.head, "tree_tau", None)
+        if not taus or not tree_tuning.enabled():
+            return
+        with self.lock:
+            for kind, table in taus.items():
+                self.tuned[kind] = tree_tuning.tune(self, kind, table)
+
+    def default_tree(self, method: str, temperature: float = 0.0) -> TreeConfig:
+        """The tree a `method` request gets when it names none: eagle2's tuned for this machine
+        where `tune_trees` chose one, else config.default_tree's."""
+        choice = self.tuned.get("sampled" if temperature > 0 else "greedy") if method == "eagle2" else None
+        if choice is not None:
+            return choice.tree
+        return default_tree(method, getattr(self.target, "quant", "none"), temperature)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -337,7 +361,7 @@ class Engine:
         if req.method != "vanilla" and self.head is None:
             raise GenerationError(f"method {req.method} needs a draft head")
         if req.method != "vanilla" and req.tree is None:
-            req.tree = default_tree(req.method, getattr(self.target, "quant", "none"), req.sampling.temperature)
+            req.tree = self.default_tree(req.method, req.sampling.temperature)
         if req.sampling.seed is None and not req.sampling.greedy:
             # Fixed now, so that the request's random numbers do not depend on when it runs.
             req.sampling = SamplingConfig(req.sampling.temperature, req.sampling.top_k, req.sampling.top_p,

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import Detokenizer, EagleSpec
-from ..config import SamplingConfig, TreeConfig, default_tree
+from ..config import SamplingConfig, TreeConfig
 from ..runtime.engine import Request
 from .metrics import ServerMetrics
 from .schemas import ApiError, ChatCompletionRequest, CompletionRequest, SpecOptions
@@ -107,7 +107,7 @@ def create_app(spec: EagleSpec, settings: ServeSettings) -> FastAPI:
 
     def decoding(opts: SpecOptions | None, temperature: float) -> tuple[str, TreeConfig | None]:
         """The method and tree of a request: its own `eaglespec` field over the server's defaults
-        (whose tree depends on whether the request samples: config.default_tree)."""
+        (whose tree depends on whether the request samples: Engine.default_tree)."""
         opts = opts or SpecOptions()
         method = opts.method or settings.method
         sizes = {k: v for k in ("total_tokens", "depth", "top_k") if (v := getattr(opts, k)) is not None}
@@ -119,7 +119,7 @@ def create_app(spec: EagleSpec, settings: ServeSettings) -> FastAPI:
             raise ApiError(400, f"method {method} needs a draft head; this server has none (start it with --draft)",
                            param="eaglespec.method")
         base = settings.tree if settings.tree is not None and settings.tree.method == method else \
-            default_tree(method, spec.target.quant, temperature)
+            spec.engine.default_tree(method, temperature)
         if not sizes:
             return method, base
         return method, TreeConfig("eagle2", total_tokens=sizes.get("total_tokens", base.total_tokens),

@@ -1,0 +1,131 @@
+"""Measured tree defaults (runtime/tree_tuning.py): a head's tau table is read and checked, the tree
+with the most tokens per second is picked from timed steps, the timings are cached per machine,
+and requests that name no tree get the pick while requests that name one keep theirs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eaglespec.config import ConfigError, SamplingConfig, TreeConfig, default_tree
+from eaglespec.draft import load_head, save_head
+from eaglespec.runtime import tree_tuning
+from eaglespec.runtime.engine import Engine, Request
+from eaglespec.runtime.tree_tuning import choose, parse_tree_tau, tree_key
+from spec_helpers import sharp_random_head
+from tiny import tiny_config, tiny_model
+
+TAUS = {"greedy": {"2,1,1": 1.5, "4,2,2": 1.8, "8,3,4": 2.1}, "sampled": {"2,1,1": 1.4, "3,2,1": 1.6}}
+
+
+@pytest.fixture
+def tuning(tmp_path, monkeypatch):
+    """Tuning on (conftest turns it off for the rest of the suite), with a fresh timing cache."""
+    monkeypatch.setenv("EAGLESPEC_TREE_TUNING", "1")
+    path = tmp_path / "cache" / "trees.json"
+    monkeypatch.setattr(tree_tuning, "cache_path", lambda: path)  # (XDG_CACHE_HOME would move the built kernels too)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models():
+    cfg = tiny_config(vocab=96, eos=7)
+    return tiny_model(cfg, seed=5), sharp_random_head(cfg, seed=9)
+
+
+def test_choose_picks_most_tokens_per_second():
+    taus = TAUS["greedy"]
+    # A CPU where a tree row costs what a decode does (AVX2 int4): the smallest tree wins.
+    rows = {None: 10.0, "2,1,1": 16.0, "4,2,2": 25.0, "8,3,4": 40.0}
+    pick = choose(taus, lambda t: rows[None if t is None else tree_key(t)])
+    assert tree_key(pick.tree) == "2,1,1" and pick.speedup == pytest.approx(1.5 * 10 / 16)
+    # A CPU where a tree costs little more than a decode (AMX tiles): the largest wins.
+    tiles = {None: 10.0, "2,1,1": 12.0, "4,2,2": 13.0, "8,3,4": 14.0}
+    pick = choose(taus, lambda t: tiles[None if t is None else tree_key(t)])
+    assert tree_key(pick.tree) == "8,3,4" and pick.step_ms["vanilla"] == 1e4
+    assert pick.speedup == pytest.approx(2.1 * 10 / 14)
+
+
+@pytest.mark.parametrize("raw,match", [
+    ([1, 2], "must map 'greedy'"),
+    ({"fast": {"2,1,1": 1.5}}, "must map 'greedy'"),
+    ({"greedy": {}}, "non-empty"),
+    ({"greedy": {"2,1": 1.5}}, "not a tree"),
+    ({"greedy": {"2,1,1": 2.5}}, r"in \[1, depth \+ 1\]"),
+    ({"greedy": {"2,1,1": "1.5"}}, r"in \[1, depth \+ 1\]"),
+    ({"sampled": {"4,2,2": 1.5}}, "draft chains"),
+])
+def test_bad_tau_tables_are_refused(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_tree_tau(raw, "head x")
+    assert parse_tree_tau(TAUS, "head x") == TAUS
+
+
+def test_head_config_carries_its_table(models, tmp_path):
+    target, head = models
+    save_head(head, tmp_path / "h", extra={"tree_tau": TAUS})
+    assert load_head(tmp_path / "h", target.config).tree_tau == TAUS
+    save_head(head, tmp_path / "bad", extra={"tree_tau": {"greedy": {"2,1,1": 9}}})
+    with pytest.raises(ConfigError, match="draft head .*bad.*tree_tau"):
+        load_head(tmp_path / "bad", target.config)
+    save_head(head, tmp_path / "none")
+    assert getattr(load_head(tmp_path / "none", target.config), "tree_tau", None) is None
+
+
+def test_engine_times_once_caches_and_uses_the_pick(models, tuning, monkeypatch):
+    target, head = models
+    head.tree_tau = TAUS
+    try:
+        timed = []
+        real = tree_tuning.time_step
+
+        def spy(engine, tree, temperature, **kw):
+            timed.append(("vanilla" if tree is None else tree_key(tree), temperature))
+            return real(engine, tree, temperature, rounds=1, short=2, long=10)
+
+        monkeypatch.setattr(tree_tuning, "time_step", spy)
+        engine = Engine(target, head, eos_ids=[7])
+        # every tree of each table and vanilla timed once, greedy at T=0 and chains at T=1
+        assert sorted(timed) == sorted([("vanilla", 0.0), *((k, 0.0) for k in TAUS["greedy"]),
+                                        ("vanilla", 1.0), *((k, 1.0) for k in TAUS["sampled"])])
+        assert set(engine.tuned) == {"greedy", "sampled"}
+        cached = json.loads(tuning.read_text())
+        assert len(cached) == 2 and all(set(e["step_ms"]) == {"vanilla", *TAUS[k]} for k, e in
+                                        zip(("greedy", "sampled"), cached.values()))
+        assert all(e["step_ms"]["vanilla"] > 0 for e in cached.values())
+
+        # A second engine on this machine reads the cache and times nothing.
+        monkeypatch.setattr(tree_tuning, "time_step", lambda *a, **k: pytest.fail("timed again"))
+        again = Engine(target, head, eos_ids=[7])
+        for kind in ("greedy", "sampled"):
+            assert again.tuned[kind].tree == engine.tuned[kind].tree
+        greedy, sampled = again.tuned["greedy"].tree, again.tuned["sampled"].tree
+        assert tree_key(greedy) in TAUS["greedy"] and tree_key(sampled) in TAUS["sampled"]
+
+        # Requests naming no tree get the pick; a named tree is kept.
+        r0 = again.submit(Request([1, 2, 3], "eagle2", max_new_tokens=4))
+        r1 = again.submit(Request([1, 2, 3], "eagle2", sampling=SamplingConfig(temperature=1.0, seed=1),
+                                  max_new_tokens=4))
+        named = TreeConfig("eagle2", total_tokens=5, depth=2, top_k=2)
+        r2 = again.submit(Request([1, 2, 3], "eagle2", named, max_new_tokens=4))
+        assert (r0.tree, r1.tree, r2.tree) == (greedy, sampled, named)
+        while not all(r.done for r in (r0, r1, r2)):
+            again.step()
+        assert all(r.error is None and r.pending_tokens for r in (r0, r1, r2))
+        assert again.default_tree("eagle") == default_tree("eagle")  # eagle keeps its static tree
+
+        # Tuning off: the static defaults.
+        monkeypatch.setenv("EAGLESPEC_TREE_TUNING", "0")
+        off = Engine(target, head, eos_ids=[7])
+        assert off.tuned == {} and off.default_tree("eagle2") == default_tree("eagle2", "none")
+    finally:
+        del head.tree_tau
+
+
+def test_a_head_without_a_table_keeps_the_static_defaults(models, tuning, monkeypatch):
+    target, head = models
+    monkeypatch.setattr(tree_tuning, "time_step", lambda *a, **k: pytest.fail("timed without a table"))
+    engine = Engine(target, head, eos_ids=[7])
+    assert engine.tuned == {} and not tuning.exists()
+    assert engine.default_tree("eagle2", 1.0) == default_tree("eagle2", "none", 1.0)
