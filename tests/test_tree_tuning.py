@@ -37,14 +37,12 @@ def models():
 def test_choose_picks_most_tokens_per_second():
     taus = TAUS["greedy"]
     # A CPU where a tree row costs what a decode does (AVX2 int4): the smallest tree wins.
-    rows = {None: 10.0, "2,1,1": 16.0, "4,2,2": 25.0, "8,3,4": 40.0}
-    pick = choose(taus, lambda t: rows[None if t is None else tree_key(t)])
+    pick = choose(taus, {"vanilla": 10.0, "2,1,1": 16.0, "4,2,2": 25.0, "8,3,4": 40.0})
     assert tree_key(pick.tree) == "2,1,1" and pick.speedup == pytest.approx(1.5 * 10 / 16)
     # A CPU where a tree costs little more than a decode (AMX tiles): the largest wins.
-    tiles = {None: 10.0, "2,1,1": 12.0, "4,2,2": 13.0, "8,3,4": 14.0}
-    pick = choose(taus, lambda t: tiles[None if t is None else tree_key(t)])
-    assert tree_key(pick.tree) == "8,3,4" and pick.step_ms["vanilla"] == 1e4
-    assert pick.speedup == pytest.approx(2.1 * 10 / 14)
+    pick = choose(taus, {"vanilla": 10.0, "2,1,1": 12.0, "4,2,2": 13.0, "8,3,4": 14.0, "16,5,4": 1.0})
+    assert tree_key(pick.tree) == "8,3,4" and pick.speedup == pytest.approx(2.1 * 10 / 14)
+    assert set(pick.step_ms) == {"vanilla", *taus}  # only the table's trees count
 
 
 @pytest.mark.parametrize("raw,match", [
@@ -78,25 +76,25 @@ def test_engine_times_once_caches_and_uses_the_pick(models, tuning, monkeypatch)
     head.tree_tau = TAUS
     try:
         timed = []
-        real = tree_tuning.time_step
+        real = tree_tuning.time_steps
 
-        def spy(engine, tree, temperature, **kw):
-            timed.append(("vanilla" if tree is None else tree_key(tree), temperature))
-            return real(engine, tree, temperature, rounds=1, short=2, long=10)
+        def spy(engine, keys, temperature, **kw):
+            timed.append((sorted(keys), temperature))
+            return real(engine, keys, temperature, rounds=1, new_tokens=6, context=40)
 
-        monkeypatch.setattr(tree_tuning, "time_step", spy)
+        monkeypatch.setattr(tree_tuning, "time_steps", spy)
         engine = Engine(target, head, eos_ids=[7])
-        # every tree of each table and vanilla timed once, greedy at T=0 and chains at T=1
-        assert sorted(timed) == sorted([("vanilla", 0.0), *((k, 0.0) for k in TAUS["greedy"]),
-                                        ("vanilla", 1.0), *((k, 1.0) for k in TAUS["sampled"])])
-        assert set(engine.tuned) == {"greedy", "sampled"}
+        # every tree of each table and vanilla timed, greedy at T=0 and chains at T=1
+        assert sorted(timed) == sorted([(sorted(["vanilla", *TAUS["greedy"]]), 0.0),
+                                        (sorted(["vanilla", *TAUS["sampled"]]), 1.0)])
+        assert set(engine.tuned) == {"greedy", "sampled"} and engine.eos_ids == [7]  # EOS back on
         cached = json.loads(tuning.read_text())
         assert len(cached) == 2 and all(set(e["step_ms"]) == {"vanilla", *TAUS[k]} for k, e in
                                         zip(("greedy", "sampled"), cached.values()))
         assert all(e["step_ms"]["vanilla"] > 0 for e in cached.values())
 
         # A second engine on this machine reads the cache and times nothing.
-        monkeypatch.setattr(tree_tuning, "time_step", lambda *a, **k: pytest.fail("timed again"))
+        monkeypatch.setattr(tree_tuning, "time_steps", lambda *a, **k: pytest.fail("timed again"))
         again = Engine(target, head, eos_ids=[7])
         for kind in ("greedy", "sampled"):
             assert again.tuned[kind].tree == engine.tuned[kind].tree
@@ -125,7 +123,7 @@ def test_engine_times_once_caches_and_uses_the_pick(models, tuning, monkeypatch)
 
 def test_a_head_without_a_table_keeps_the_static_defaults(models, tuning, monkeypatch):
     target, head = models
-    monkeypatch.setattr(tree_tuning, "time_step", lambda *a, **k: pytest.fail("timed without a table"))
+    monkeypatch.setattr(tree_tuning, "time_steps", lambda *a, **k: pytest.fail("timed without a table"))
     engine = Engine(target, head, eos_ids=[7])
     assert engine.tuned == {} and not tuning.exists()
     assert engine.default_tree("eagle2", 1.0) == default_tree("eagle2", "none", 1.0)

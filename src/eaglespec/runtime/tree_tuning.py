@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -129,49 +129,65 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
         log.warning("eaglespec: could not cache the tree timings in %s (%s)", path, e)
 
 
-def time_step(engine: "Engine", tree: TreeConfig | None, temperature: float, rounds: int = 3,
-              short: int = 4, long: int = 28) -> float:
-    """Seconds per step of `tree` (None: vanilla) on the engine's target, batch 1: the difference
-    between a long and a short run over their difference in steps (the prefill cancels), median
-    of `rounds` (where timer noise leaves no positive difference, as on tiny test models, the long
-    run's time per step). The prompt is fixed token ids; the caller turns EOS off while timing."""
+def _tree(key: str) -> TreeConfig | None:
+    return None if key == "vanilla" else TreeConfig("eagle2", *map(int, key.split(",")))
+
+
+def _step_seconds(engine: "Engine", key: str, temperature: float, new_tokens: int, seed: int,
+                  context: int) -> list[float]:
+    """The engine steps of one batch-1 request with tree `key` on a fixed prompt of `context`
+    token ids, each timed; the first (it also prefills the prompt) left out."""
     from .engine import Request
 
     vocab = engine.target.config.vocab_size
-    prompt = [(17 + 7919 * i) % vocab for i in range(96)]
-    method = "vanilla" if tree is None else "eagle2"
-    per_step, whole = [], []
-    for r in range(rounds + 1):  # the first round warms up (first calls, kernel builds)
-        runs = []
-        for n in (short, long):
-            req = Request(prompt, method, tree, SamplingConfig(temperature=temperature, seed=r), max_new_tokens=n)
-            t0 = time.perf_counter()
-            engine.run([req])
-            runs.append((time.perf_counter() - t0, max(req.stats.steps, 1)))
-        (ta, sa), (tb, sb) = runs
-        if r:
-            whole.append(tb / sb)  # prefill included: the fallback for steps too short to time apart
-            if sb > sa and tb > ta:
-                per_step.append((tb - ta) / (sb - sa))
-    times = sorted(per_step or whole)
-    return times[len(times) // 2]
+    prompt = [(17 + 7919 * i) % vocab for i in range(context)]
+    tree = _tree(key)
+    req = engine.submit(Request(prompt, "vanilla" if tree is None else "eagle2", tree,
+                                SamplingConfig(temperature=temperature, seed=seed), max_new_tokens=new_tokens))
+    times = []
+    while not req.done:
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    if req.error is not None:
+        raise req.error
+    return times[1:]
 
 
-def choose(taus: dict[str, float], step_s: Callable[[TreeConfig | None], float]) -> TreeChoice:
-    """The tree of `taus` ("n,d,k" -> tau) with the most tokens per second, tau / step_s(tree);
-    step_s(None) is vanilla's step, one token each. Ties go to the smaller tree (listed first)."""
-    base = step_s(None)
-    ms = {"vanilla": 1e3 * base}
+def time_steps(engine: "Engine", keys: list[str], temperature: float, rounds: int = 2,
+               new_tokens: int = 16, context: int = 256) -> dict[str, float]:
+    """Seconds per step of each tree `key` ("n,d,k", or "vanilla") on the engine's target at batch
+    1, after a `context`-token prompt (about a chat turn's): the median over `rounds` requests of
+    `new_tokens` each, every step timed alone, trees interleaved round by round (drift spreads
+    over all), after one untimed warm-up request each (first calls of each shape). The caller
+    turns EOS off while timing."""
+    context = max(1, min(context, engine.window - new_tokens - 64))  # room for a tree past the answer
+    for key in keys:
+        _step_seconds(engine, key, temperature, 2, 0, context)
+    steps: dict[str, list[float]] = {k: [] for k in keys}
+    for r in range(1, rounds + 1):
+        for key in keys:
+            steps[key] += _step_seconds(engine, key, temperature, new_tokens, r, context)
+    out = {}
+    for key, times in steps.items():
+        if not times:
+            raise RuntimeError(f"tree {key}: no step to time (new_tokens {new_tokens})")
+        times.sort()
+        out[key] = times[len(times) // 2]
+    return out
+
+
+def choose(taus: dict[str, float], step_ms: dict[str, float]) -> TreeChoice:
+    """The tree of `taus` ("n,d,k" -> tau) with the most tokens per second, tau / step_ms[key];
+    step_ms["vanilla"] is vanilla's step, one token each. Ties go to the smaller tree."""
+    base = step_ms["vanilla"]
     best: tuple[float, TreeConfig] | None = None
     for key in sorted(taus, key=lambda k: tuple(map(int, k.split(",")))):
-        tree = TreeConfig("eagle2", *map(int, key.split(",")))
-        cost = step_s(tree)
-        ms[key] = 1e3 * cost
-        speedup = taus[key] * base / cost
+        speedup = taus[key] * base / step_ms[key]
         if best is None or speedup > best[0] * 1.000001:
-            best = (speedup, tree)
+            best = (speedup, _tree(key))
     assert best is not None
-    return TreeChoice(best[1], best[0], ms)
+    return TreeChoice(best[1], best[0], {k: step_ms[k] for k in ("vanilla", *taus)})
 
 
 def tune(engine: "Engine", kind: str, taus: dict[str, float]) -> TreeChoice:
@@ -180,16 +196,15 @@ def tune(engine: "Engine", kind: str, taus: dict[str, float]) -> TreeChoice:
     entry = _read_cache(path).get(key)
     if isinstance(entry, dict) and isinstance(entry.get("step_ms"), dict) and \
             {"vanilla", *taus} <= set(entry["step_ms"]):
-        cached = entry["step_ms"]
-        return choose(taus, lambda t: cached["vanilla" if t is None else tree_key(t)] / 1e3)
+        return choose(taus, entry["step_ms"])
     print(f"eaglespec: timing {len(taus)} eagle2 trees for {kind} requests on this machine "
           f"(once; cached in {path})", file=sys.stderr, flush=True)
-    temperature = 1.0 if kind == "sampled" else 0.0
     eos, engine.eos_ids = engine.eos_ids, []  # every run takes all its tokens
     try:
-        choice = choose(taus, lambda t: time_step(engine, t, temperature))
+        seconds = time_steps(engine, ["vanilla", *taus], 1.0 if kind == "sampled" else 0.0)
     finally:
         engine.eos_ids = eos
+    choice = choose(taus, {k: 1e3 * v for k, v in seconds.items()})
     _write_cache(path, key, {"step_ms": choice.step_ms, "tree": tree_key(choice.tree),
                              "speedup": round(choice.speedup, 3)})
     log.info("eaglespec: %s requests get eagle2 tree %s (expected %.2fx vanilla)", kind,
