@@ -155,15 +155,15 @@ def _step_seconds(engine: "Engine", key: str, temperature: float, new_tokens: in
 
 
 def time_steps(engine: "Engine", keys: list[str], temperature: float, rounds: int = 2,
-               new_tokens: int = 16, context: int = 256) -> dict[str, float]:
+               new_tokens: int = 16, context: int = 160) -> dict[str, float]:
     """Seconds per step of each tree `key` ("n,d,k", or "vanilla") on the engine's target at batch
     1, after a `context`-token prompt (about a chat turn's): the median over `rounds` requests of
-    `new_tokens` each, every step timed alone, trees interleaved round by round (drift spreads
-    over all), after one untimed warm-up request each (first calls of each shape). The caller
-    turns EOS off while timing."""
+    `new_tokens` each, every step timed alone (the median drops a shape's first call), trees
+    interleaved round by round (drift spreads over all), after one untimed warm-up request (kernel
+    builds, first calls). The caller turns EOS off while timing. About 15 s for the shipped head's
+    13 trees on a 2-core AVX2 EPYC; prefills are most of it."""
     context = max(1, min(context, engine.window - new_tokens - 64))  # room for a tree past the answer
-    for key in keys:
-        _step_seconds(engine, key, temperature, 2, 0, context)
+    _step_seconds(engine, keys[-1], temperature, 4, 0, context)
     steps: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(1, rounds + 1):
         for key in keys:
