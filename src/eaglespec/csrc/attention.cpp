@@ -74,6 +74,31 @@ inline void widen_block(const c10::BFloat16* base, int64_t stride, const int64_t
 template <int C>
 inline void score_block(const f32x16* kb, const f32x16* q0, int64_t rows, int64_t chunks, float scale, float* s0,
                         int64_t Sp, int64_t i0) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // The same operations on 8-lane halves in registers: each key's lane products (multiply, then
+  // multiply-and-add chunk after chunk, unfused), halves added (the tree's first step), the rest
+  // of the tree for 8 keys at once (vec.h's tree_sums8), times the scale.
+  constexpr int CH = C ? C : MAX_CHUNKS;
+  const float* k = reinterpret_cast<const float*>(kb);
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* q = reinterpret_cast<const float*>(q0 + r * chunks);
+    __m256 qh[2 * CH], a[LANES];
+    for (int64_t x = 0; x < 2 * chunks; ++x) qh[x] = _mm256_loadu_ps(q + 8 * x);
+    for (int64_t l = 0; l < LANES; ++l) {
+      const float* kl = k + l * chunks * LANES;
+      __m256 lo = _mm256_mul_ps(qh[0], _mm256_loadu_ps(kl)), hi = _mm256_mul_ps(qh[1], _mm256_loadu_ps(kl + 8));
+      for (int64_t ch = 1; ch < chunks; ++ch) {
+        lo = _mm256_add_ps(_mm256_mul_ps(qh[2 * ch], _mm256_loadu_ps(kl + 16 * ch)), lo);
+        hi = _mm256_add_ps(_mm256_mul_ps(qh[2 * ch + 1], _mm256_loadu_ps(kl + 16 * ch + 8)), hi);
+      }
+      a[l] = _mm256_add_ps(lo, hi);
+    }
+    _mm256_storeu_ps(s0 + r * Sp + i0, _mm256_mul_ps(tree_sums8(a), sc));
+    _mm256_storeu_ps(s0 + r * Sp + i0 + 8, _mm256_mul_ps(tree_sums8(a + 8), sc));
+  }
+  return;
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     const f32x16* qr = q0 + r * chunks;
     f32x16 d[LANES];
@@ -86,8 +111,32 @@ inline void score_block(const f32x16* kb, const f32x16* q0, int64_t rows, int64_
 // Rows r0..r0+N-1 add the LANES values widened in vb (list positions i0..i0+15), weighted, to their
 // sums, key after key. Each row's additions are the same sequence for any N; N rows side by side
 // only give the CPU independent additions to overlap (one row's chain waits on each add).
+#if defined(__AVX512F__)
 constexpr int kValueRows = 3;
+#else
+constexpr int kValueRows = 1;  // 256-bit registers: one row's 4 x 2 accumulators already take half of them
+#endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 builds: the same operations on 8-lane halves held in registers (GCC keeps a generic 16-lane
+// array in memory there): acc += (0 + e) * v, multiply then add, as vec.h's fmadd without FMA.
+template <int C, int N>
+inline void accumulate_values(Scratch& w, const f32x16* vb, int64_t r0, int64_t chunks, int64_t Sp, int64_t i0) {
+  static_assert(N == 1, "one row at a time on 256-bit registers");
+  constexpr int CH = C ? C : MAX_CHUNKS;
+  __m256 a[2 * CH];
+  float* acc = reinterpret_cast<float*>(&w.acc[r0 * chunks]);
+  const float* v = reinterpret_cast<const float*>(vb);
+  const float* e = &w.scores[r0 * Sp + i0];
+  for (int64_t x = 0; x < 2 * chunks; ++x) a[x] = _mm256_loadu_ps(acc + 8 * x);
+  for (int64_t l = 0; l < LANES; ++l) {
+    const __m256 el = _mm256_add_ps(_mm256_setzero_ps(), _mm256_set1_ps(e[l]));
+    for (int64_t x = 0; x < 2 * chunks; ++x)
+      a[x] = _mm256_add_ps(_mm256_mul_ps(el, _mm256_loadu_ps(v + l * chunks * LANES + 8 * x)), a[x]);
+  }
+  for (int64_t x = 0; x < 2 * chunks; ++x) _mm256_storeu_ps(acc + 8 * x, a[x]);
+}
+#else
 template <int C, int N>
 inline void accumulate_values(Scratch& w, const f32x16* vb, int64_t r0, int64_t chunks, int64_t Sp, int64_t i0) {
   constexpr int CH = C ? C : MAX_CHUNKS;
@@ -97,11 +146,12 @@ inline void accumulate_values(Scratch& w, const f32x16* vb, int64_t r0, int64_t 
   for (int64_t l = 0; l < LANES; ++l)
     for (int n = 0; n < N; ++n) {
       const float e = w.scores[(r0 + n) * Sp + i0 + l];
-      for (int64_t ch = 0; ch < chunks; ++ch) a[n][ch] = fmadd(f32x16{} + e, vb[l * chunks + ch], a[n][ch]);
+      for (int64_t ch = 0; ch < chunks; ++ch) a[n][ch] = fmadd(splat(e), vb[l * chunks + ch], a[n][ch]);
     }
   for (int n = 0; n < N; ++n)
     for (int64_t ch = 0; ch < chunks; ++ch) w.acc[(r0 + n) * chunks + ch] = a[n][ch];
 }
+#endif
 
 // One item: (row b, kv head h), all T tokens and their g query heads each, which share the keys.
 // Token t reads its visible slots in slot order: every token sees slots 0..P-1 (the committed
@@ -167,7 +217,7 @@ void attend_item(const Call& c, int64_t item, Scratch& w) {
         const int64_t r = t * g + j;
         const float e = w.scores[r * Sp + i];
         f32x16* ar = &w.acc[r * chunks];
-        for (int64_t ch = 0; ch < chunks; ++ch) ar[ch] = fmadd(f32x16{} + e, vc[ch], ar[ch]);
+        for (int64_t ch = 0; ch < chunks; ++ch) ar[ch] = fmadd(splat(e), vc[ch], ar[ch]);
       }
     }
   }

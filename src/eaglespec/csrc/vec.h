@@ -3,7 +3,7 @@
 #pragma once
 #include <c10/util/BFloat16.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cstdint>
@@ -21,14 +21,45 @@ typedef float f32x2 __attribute__((vector_size(8)));
 
 constexpr int LANES = 16;
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 builds: a 16-lane vector is two 256-bit registers. GCC lowers shuffles and widening
+// conversions of vectors wider than the hardware's lane by lane through the stack (measured: the
+// decode attention ran at a tenth of its speed), so the few operations that move data between
+// lanes take these halves explicitly. Only data movement differs: every add is the same one.
+inline __m256 half_lo(const f32x16& v) { __m256 h; std::memcpy(&h, &v, 32); return h; }
+inline __m256 half_hi(const f32x16& v) { __m256 h; std::memcpy(&h, reinterpret_cast<const char*>(&v) + 32, 32); return h; }
+inline f32x16 join(__m256 lo, __m256 hi) {
+  f32x16 v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+}
+#endif
+
+// f32x16{} + x in every lane (0 + x: the same value, -0 becoming +0, as the generic expression).
+inline f32x16 splat(float x) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256 h = _mm256_add_ps(_mm256_setzero_ps(), _mm256_set1_ps(x));
+  return join(h, h);
+#else
+  return f32x16{} + x;
+#endif
+}
+
 inline f32x16 load_bf16(const c10::BFloat16* p) {
   // bf16 is the top half of an fp32: widen and shift.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m128i* in = reinterpret_cast<const __m128i*>(p);
+  return join(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(in)), 16)),
+              _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(in + 1)), 16)));
+#else
   u16x16 h;
   std::memcpy(&h, p, sizeof(h));
   u32x16 w = __builtin_convertvector(h, u32x16) << 16;
   f32x16 f;
   std::memcpy(&f, &w, sizeof(f));
   return f;
+#endif
 }
 
 // v rounded to bf16 (nearest even; NaN -> the quiet NaN 0x7fc0), as the fp32 bits of the result:
@@ -91,17 +122,48 @@ inline f32x16 exp_nonpositive(f32x16 x) {
 
 inline float lane_sum(f32x16 v) {
   // A fixed pairwise tree over the 16 lanes: lane i + lane i + 8, then + 4, + 2, + 1.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256 a = _mm256_add_ps(half_lo(v), half_hi(v));                                // [i] + [i + 8]
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // + 4
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                  // + 2
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));                              // + 1
+#else
   f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
             __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   f32x2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
   return c[0] + c[1];
+#endif
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The rest of lane_sum's tree for 8 vectors at once, from their first sums a[i] = lanes j + j + 8:
+// [j] + [j + 4] for two vectors at once (a 128-bit half each), [j] + [j + 2] and [j] + [j + 1]
+// for four; the pairs are chosen so that vector i's sum lands in lane i.
+inline __m256 tree_sums8(const __m256* a) {
+  __m256 s[4], t[2];
+  for (int i = 0; i < 4; ++i)  // s[i] = [b of vector i | b of vector i + 4]
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20), _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+  for (int i = 0; i < 2; ++i)  // t[i] = [c of 2i, c of 2i + 1 | c of 2i + 4, c of 2i + 5]
+    t[i] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
 
 // lane_sum of 16 vectors at once: out[i] == lane_sum(v[i]) bit for bit (the same pairwise tree,
 // each stage adding the low and high halves of two vectors in one operation), so a caller may
 // reduce keys 16 at a time or one by one and get the same scores.
 inline f32x16 lane_sums16(const f32x16* v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // The same tree per vector: a = [i] + [i + 8] (8 lanes each); then [i] + [i + 4] for two vectors
+  // at once (a 128-bit half each), [i] + [i + 2] and [i] + [i + 1] for four; the pairs are chosen
+  // so that the results land in order.
+  __m256 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm256_add_ps(half_lo(v[i]), half_hi(v[i]));
+  return join(tree_sums8(a), tree_sums8(a + 8));
+#else
   f32x16 w[8], x[4], y[2];
   for (int p = 0; p < 8; ++p)  // lane j of pair (A, B): A[j] + A[j + 8], then B's in lanes 8..15
     w[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -114,6 +176,7 @@ inline f32x16 lane_sums16(const f32x16* v) {
            __builtin_shufflevector(x[2 * p], x[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#endif
 }
 
 }  // namespace eaglespec
