@@ -98,13 +98,25 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _code_fingerprint() -> str:
+    """The package's version and its CPU kernels' sources: a faster kernel changes the timings."""
+    from .. import __version__
+    from ..kernels import CSRC
+
+    h = hashlib.sha256(__version__.encode())
+    for p in sorted(CSRC.glob("*")):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def cache_key(engine: "Engine", kind: str, taus: dict[str, float]) -> str:
-    """What the timing depends on: the CPU, threads, the target's shapes and mode, the trees."""
+    """What the timing depends on: the CPU, threads, the target's shapes and mode, the code, the
+    trees."""
     t = engine.target
     cfg = t.config
     parts = [CACHE_VERSION, _cpu_name(), torch.get_num_threads(), str(t.device), str(t.dtype),
              getattr(t, "quant", "none"), cfg.hidden_size, cfg.num_layers, cfg.vocab_size,
-             cfg.intermediate_size, torch.__version__, kind, sorted(taus)]
+             cfg.intermediate_size, torch.__version__, _code_fingerprint(), kind, sorted(taus)]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
