@@ -127,3 +127,20 @@ def test_a_head_without_a_table_keeps_the_static_defaults(models, tuning, monkey
     engine = Engine(target, head, eos_ids=[7])
     assert engine.tuned == {} and not tuning.exists()
     assert engine.default_tree("eagle2", 1.0) == default_tree("eagle2", "none", 1.0)
+
+
+def test_no_timing_while_requests_are_in_flight(models, tuning, monkeypatch, caplog):
+    """Timing would drive the queued requests and be slowed by them: the static defaults stay."""
+    target, head = models
+    monkeypatch.setattr(tree_tuning, "time_steps", lambda *a, **k: pytest.fail("timed with requests in flight"))
+    engine = Engine(target, None, eos_ids=[7])
+    req = engine.submit(Request([1, 2, 3], "vanilla", max_new_tokens=3))
+    head.tree_tau = TAUS
+    try:
+        engine.set_head(head)
+    finally:
+        del head.tree_tau
+    assert engine.tuned == {} and "requests in flight" in caplog.text
+    while not req.done:
+        engine.step()
+    assert req.error is None and len(req.pending_tokens) == 3

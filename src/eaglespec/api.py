@@ -35,7 +35,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, integer_linears: bool =
     except that a CPU target whose linears the package's integer kernels run (`integer_linears`:
     a 4- or 8-bit GGUF under --quant auto/int4/int8 where those kernels build) gets bf16 anyway:
     there bf16 is only the activations' format, and the integer products need it (an AVX2-only
-    EPYC decodes the default model 5.5x faster than in fp32; README, "AVX2 CPUs")."""
+    EPYC decodes the default model 4-6x faster than in fp32; README, "AVX2 CPUs")."""
     if isinstance(dtype, torch.dtype):
         return dtype
     table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,

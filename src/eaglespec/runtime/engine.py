@@ -19,6 +19,7 @@ step advances all of them. A server can drive it from a loop of its own.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import threading
 import time
@@ -40,6 +41,8 @@ from ..spec.graphs import GraphedSteps
 from ..spec.step import RowState, SpecStep, StepTimes, prefill_row
 from . import tree_tuning
 from .request import GenerationError, GenerationStats, StopChecker, check_request
+
+log = logging.getLogger(__name__)
 
 CAPACITY_QUANTUM = 256  # KV caches grow in steps of this many slots
 
@@ -338,6 +341,10 @@ class Engine:
         if not taus or not tree_tuning.enabled():
             return
         with self.lock:
+            if self.waiting or any(lane.active for lane in self.lanes.values()):
+                # Timing steps would drive (and be slowed by) the requests in flight.
+                log.warning("eaglespec: requests in flight; the static tree defaults stay (config.default_tree)")
+                return
             for kind, table in taus.items():
                 self.tuned[kind] = tree_tuning.tune(self, kind, table)
 
