@@ -272,17 +272,7 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.
     detected); refuse one that does not fit the target. The head's measured tau by tree, where
     its config.json has one ("eaglespec": {"tree_tau": ...}), becomes `head.tree_tau`: the engine
     picks its default trees for the machine from it (runtime/tree_tuning.py)."""
-    head = _load_head(Path(path), target, dtype, device)
-    ours = json.loads((Path(path) / "config.json").read_text()).get("eaglespec")
-    raw_tau = ours.get("tree_tau") if isinstance(ours, dict) else None
-    if raw_tau is not None:
-        from .runtime.tree_tuning import parse_tree_tau
-
-        head.tree_tau = parse_tree_tau(raw_tau, f"draft head {path}")
-    return head
-
-
-def _load_head(path: Path, target: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> Head:
+    path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ConfigError(f"draft head {path}: no config.json")
@@ -292,6 +282,18 @@ def _load_head(path: Path, target: ModelConfig, dtype: torch.dtype, device: str 
         raise ConfigError(f"draft head {path}: unreadable config.json ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"draft head {path}: config.json is not a JSON object")
+    head = _load_head(path, raw, target, dtype, device)
+    ours = raw.get("eaglespec")
+    raw_tau = ours.get("tree_tau") if isinstance(ours, dict) else None
+    if raw_tau is not None:
+        from .runtime.tree_tuning import parse_tree_tau
+
+        head.tree_tau = parse_tree_tau(raw_tau, f"draft head {path}")
+    return head
+
+
+def _load_head(path: Path, raw: dict, target: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> Head:
+    """load_head's tensors, given the head's config.json (`raw`)."""
     sd = None  # read once: names from model.safetensors' header, or the whole pytorch_model.bin
     keys = _keys(path)
     if not (path / "model.safetensors").is_file() and (path / "pytorch_model.bin").is_file():

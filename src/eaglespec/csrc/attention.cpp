@@ -97,8 +97,7 @@ inline void score_block(const f32x16* kb, const f32x16* q0, int64_t rows, int64_
     _mm256_storeu_ps(s0 + r * Sp + i0, _mm256_mul_ps(tree_sums8(a), sc));
     _mm256_storeu_ps(s0 + r * Sp + i0 + 8, _mm256_mul_ps(tree_sums8(a + 8), sc));
   }
-  return;
-#endif
+#else
   for (int64_t r = 0; r < rows; ++r) {
     const f32x16* qr = q0 + r * chunks;
     f32x16 d[LANES];
@@ -106,6 +105,7 @@ inline void score_block(const f32x16* kb, const f32x16* q0, int64_t rows, int64_
     const f32x16 sc = lane_sums16(d) * scale;
     std::memcpy(s0 + r * Sp + i0, &sc, sizeof(sc));
   }
+#endif
 }
 
 // Rows r0..r0+N-1 add the LANES values widened in vb (list positions i0..i0+15), weighted, to their

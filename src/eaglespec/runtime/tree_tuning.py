@@ -54,6 +54,18 @@ def tree_key(tree: TreeConfig) -> str:
     return f"{tree.total_tokens},{tree.depth},{tree.top_k}"
 
 
+def _sizes(key: str) -> tuple[int, int, int]:
+    """"n,d,k" -> (total_tokens, depth, top_k); ValueError for anything else."""
+    sizes = tuple(int(x) for x in str(key).split(","))
+    if len(sizes) != 3:
+        raise ValueError("three sizes: total_tokens, depth, top_k")
+    return sizes
+
+
+def _tree(key: str) -> TreeConfig | None:
+    return None if key == "vanilla" else TreeConfig("eagle2", *_sizes(key))
+
+
 def parse_tree_tau(raw: object, where: str) -> dict[str, dict[str, float]]:
     """A head's `tree_tau` -> {"greedy"|"sampled": {"n,d,k": tau}}; a clear error for a bad one."""
     if not isinstance(raw, dict) or not set(raw) <= set(KINDS):
@@ -64,10 +76,7 @@ def parse_tree_tau(raw: object, where: str) -> dict[str, dict[str, float]]:
             raise ConfigError(f"{where}: tree_tau[{kind!r}] must be a non-empty table of 'n,d,k': tau")
         for key, tau in table.items():
             try:
-                sizes = [int(x) for x in str(key).split(",")]
-                if len(sizes) != 3:
-                    raise ValueError("three sizes: total_tokens, depth, top_k")
-                tree = TreeConfig("eagle2", *sizes)
+                tree = _tree(key)
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{where}: tree_tau[{kind!r}] key {key!r} is not a tree 'n,d,k' ({e})") from None
             if kind == "sampled" and tree.top_k != 1:
@@ -84,8 +93,9 @@ def enabled() -> bool:
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "eaglespec" / "trees.json"
+    from ..kernels import cache_root
+
+    return cache_root().parent / "trees.json"  # beside the built kernels: ~/.cache/eaglespec
 
 
 def _cpu_name() -> str:
@@ -141,10 +151,6 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
         log.warning("eaglespec: could not cache the tree timings in %s (%s)", path, e)
 
 
-def _tree(key: str) -> TreeConfig | None:
-    return None if key == "vanilla" else TreeConfig("eagle2", *map(int, key.split(",")))
-
-
 def _step_seconds(engine: "Engine", key: str, temperature: float, new_tokens: int, seed: int,
                   context: int) -> list[float]:
     """The engine steps of one batch-1 request with tree `key` on a fixed prompt of `context`
@@ -172,7 +178,7 @@ def time_steps(engine: "Engine", keys: list[str], temperature: float, rounds: in
     1, after a `context`-token prompt (about a chat turn's): the median over `rounds` requests of
     `new_tokens` each, every step timed alone (the median drops a shape's first call), trees
     interleaved round by round (drift spreads over all), after one untimed warm-up request (kernel
-    builds, first calls). The caller turns EOS off while timing. About 15 s for the shipped head's
+    builds, first calls). The caller turns EOS off while timing. About 25 s for the shipped head's
     13 trees on a 2-core AVX2 EPYC; prefills are most of it."""
     context = max(1, min(context, engine.window - new_tokens - 64))  # room for a tree past the answer
     _step_seconds(engine, keys[-1], temperature, 4, 0, context)
@@ -194,7 +200,7 @@ def choose(taus: dict[str, float], step_ms: dict[str, float]) -> TreeChoice:
     step_ms["vanilla"] is vanilla's step, one token each. Ties go to the smaller tree."""
     base = step_ms["vanilla"]
     best: tuple[float, TreeConfig] | None = None
-    for key in sorted(taus, key=lambda k: tuple(map(int, k.split(",")))):
+    for key in sorted(taus, key=_sizes):
         speedup = taus[key] * base / step_ms[key]
         if best is None or speedup > best[0] * 1.000001:
             best = (speedup, _tree(key))
