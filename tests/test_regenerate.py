@@ -213,3 +213,34 @@ def test_draft_vocab_counts_an_extra_dataset(tmp_path, tiny_chat_checkpoint, iso
     river = spec.tokenizer.encode("river")[0]
     assert river in vocab["extra"] and river not in vocab["plain"]
     assert main(base + ["--out", str(tmp_path / "bad"), "--draft-vocab-data", str(tmp_path / "missing.jsonl")]) == 2
+
+
+
+@pytest.mark.parametrize("native_bf16, device, want", [(True, "cpu", "none"), (False, "cpu", "auto"),
+                                                       (False, "cuda", "none")])
+def test_batched_commands_default_to_the_fastest_weights_here(monkeypatch, tmp_path, native_bf16, device, want):
+    """regenerate and train leave --quant to the machine: float weights where bf16 products are
+    native (or on CUDA), else the GGUF's integer blocks on the package's kernels; a named mode is
+    kept."""
+    from eaglespec import api
+    from eaglespec.cli import build_parser
+    from eaglespec.train import cli
+
+    monkeypatch.setattr(api, "cpu_has_native_bf16", lambda: native_bf16)
+    assert api.batched_quant_default(device) == want
+    if device != "cpu":
+        return
+    asked = []
+
+    def load(*a, quant=None, **k):
+        asked.append(quant)
+        raise SystemExit(0)  # stop before any work: only the mode asked for matters here
+
+    monkeypatch.setattr(api.EagleSpec, "load", staticmethod(load))
+    monkeypatch.setattr(cli, "usable_conversations", lambda args, rank: [])
+    for command in (["regenerate", "--out", str(tmp_path / "o.jsonl")], ["train", "--out", str(tmp_path / "t")]):
+        for extra, expect in (([], want), (["--quant", "int8"], "int8")):
+            args = build_parser().parse_args(command + extra)
+            with pytest.raises(SystemExit):
+                args.func(args)
+            assert asked.pop() == expect

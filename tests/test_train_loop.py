@@ -528,3 +528,20 @@ def test_cli_trains_a_two_layer_head(tmp_path, tiny_chat_checkpoint, isolated_ca
     assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "b", "--head", "eagle3", "--head-layers", "2",
                            "--max-steps", "1")) == 2
     assert "--head-layers applies to EAGLE-1/2 heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_lm_head_products_avoid_emulated_bf16(monkeypatch, native_bf16):
+    """A bf16 target's LM-head rows are multiplied in bf16 only where the CPU has bf16 products;
+    elsewhere (a bf16 target running the integer kernels on an AVX2 CPU) in fp32, the same values
+    to fp32 rounding (torch's emulated bf16 made a training step 30x slower there)."""
+    from eaglespec import api
+    from eaglespec.train.loss import _rows_linear
+
+    monkeypatch.setattr(api, "cpu_has_native_bf16", lambda: native_bf16)
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 64), torch.randn(32, 64).to(torch.bfloat16)
+    y = _rows_linear(x, w)
+    assert y.shape == (5, 32) and y.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    torch.testing.assert_close(y.float(), x.to(torch.bfloat16).float() @ w.float().T if native_bf16 else x @ w.float().T,
+                               rtol=2e-2 if native_bf16 else 1e-5, atol=2e-2 if native_bf16 else 1e-5)

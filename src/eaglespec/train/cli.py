@@ -32,10 +32,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="target dtype")
-    p.add_argument("--quant", default="none", choices=list(QUANT_MODES),
-                   help="the target's linears while training (default none: a GGUF's 4-bit blocks dequantised "
-                        "to --dtype, 2x faster for the long forwards of the feature dump than the int4 kernels "
-                        "decoding uses; int4/auto saves memory on large targets)")
+    p.add_argument("--quant", default=None, choices=list(QUANT_MODES),
+                   help="the target's linears while training (default: none, a GGUF's 4-bit blocks dequantised "
+                        "to --dtype, on CUDA and CPUs with native bf16, where the feature dump's long forwards run "
+                        "2x faster so; else auto, the package's integer kernels; int4/auto also saves memory on "
+                        "large targets)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--data", default=None, help="ShareGPT json/jsonl or OpenAI messages jsonl (default: packaged ShareGPT)")
     p.add_argument("--out", required=True, help="work directory: features/, checkpoint.pt, head/")
@@ -230,7 +231,7 @@ def start_head(args, target, samples, val_ids: list[int], rank: int):
 
 
 def cmd_train(args) -> int:
-    from ..api import EagleSpec, set_threads
+    from ..api import EagleSpec, batched_quant_default, set_threads
     from .features import dump_features, layers_to_dump, shard_path, write_manifest
     from .loop import SampleStore, train
 
@@ -242,7 +243,8 @@ def cmd_train(args) -> int:
     rank, world = init_distributed(args.device)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device.startswith("cuda") and world > 1 else args.device
     convs = usable_conversations(args, rank)  # bad data is refused before the model loads
-    engine = EagleSpec.load(args.model, dtype=args.dtype, device=device, quant=args.quant)
+    engine = EagleSpec.load(args.model, dtype=args.dtype, device=device,
+                            quant=args.quant or batched_quant_default(device))
     target = engine.target
     samples, train_ids, val_ids = build_samples(engine, args, convs, rank)  # before features/ is written
     n_tok = sum(len(s) for s in samples)
@@ -295,13 +297,14 @@ def cmd_train(args) -> int:
 
 
 def cmd_regenerate(args) -> int:
-    from ..api import EagleSpec, set_threads
+    from ..api import EagleSpec, batched_quant_default, set_threads
     from .regenerate import RegenConfig, regenerate
 
     set_threads()
     cfg = RegenConfig(args.max_new_tokens, args.max_length, args.temperature, args.top_p, args.seed, args.batch)
     convs = usable_conversations(args, 0)
-    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device, quant=args.quant)
+    engine = EagleSpec.load(args.model, dtype=args.dtype, device=args.device,
+                            quant=args.quant or batched_quant_default(args.device))
     report = regenerate(engine, convs, Path(args.out), cfg, progress=not args.no_progress)
     print(report.summary(), file=sys.stderr)
     return 0
@@ -316,8 +319,9 @@ def add_regenerate_args(p: argparse.ArgumentParser) -> None:
     d = RegenConfig()
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    p.add_argument("--quant", default="none", choices=list(QUANT_MODES),
-                   help="target weights (default none: batched decoding is fastest in the float dtype)")
+    p.add_argument("--quant", default=None, choices=list(QUANT_MODES),
+                   help="target weights (default: none on CUDA and CPUs with native bf16, where batched decoding "
+                        "is fastest in the float dtype; else auto, the package's integer kernels)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--data", default=None, help="ShareGPT json/jsonl or OpenAI messages jsonl (default: packaged ShareGPT)")
     p.add_argument("--out", required=True, help="output jsonl (appended to; a rerun resumes)")

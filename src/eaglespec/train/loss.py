@@ -174,7 +174,13 @@ def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, H] @ w.T in w's dtype -> [M, V], with M padded up to a multiple of ROW_BUCKET: with a
     bf16 target, oneDNN caches a primitive (with a reordered copy of w) per distinct shape, and M
     differs at nearly every step, so unpadded shapes grew the process by about 8 MB per step
-    (12 GiB peak)."""
+    (12 GiB peak). A bf16 w on a CPU without native bf16 matmul (a bf16 target there runs the
+    integer kernels) is multiplied in fp32: torch's emulated bf16 products made a TTT step 30x
+    slower (README, "Session 17")."""
+    from ..api import cpu_has_native_bf16
+
+    if w.dtype == torch.bfloat16 and w.device.type == "cpu" and not cpu_has_native_bf16():
+        w = w.float()
     m = x.shape[0]
     return F.linear(F.pad(x.to(w.dtype), (0, 0, 0, (-m) % ROW_BUCKET)), w)[:m]
 
