@@ -534,7 +534,7 @@ def test_cli_trains_a_two_layer_head(tmp_path, tiny_chat_checkpoint, isolated_ca
 def test_lm_head_products_avoid_emulated_bf16(monkeypatch, native_bf16):
     """A bf16 target's LM-head rows are multiplied in bf16 only where the CPU has bf16 products;
     elsewhere (a bf16 target running the integer kernels on an AVX2 CPU) in fp32, the same values
-    to fp32 rounding (torch's emulated bf16 made a training step 30x slower there)."""
+    to fp32 rounding (torch's emulated bf16 made a training step 11x slower there)."""
     from eaglespec import api
     from eaglespec.train.loss import _rows_linear
 

@@ -175,8 +175,8 @@ def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     bf16 target, oneDNN caches a primitive (with a reordered copy of w) per distinct shape, and M
     differs at nearly every step, so unpadded shapes grew the process by about 8 MB per step
     (12 GiB peak). A bf16 w on a CPU without native bf16 matmul (a bf16 target there runs the
-    integer kernels) is multiplied in fp32: torch's emulated bf16 products made a TTT step 30x
-    slower (README, "Session 17")."""
+    integer kernels) is multiplied in fp32: torch's emulated bf16 products made a TTT step 11x
+    slower on an AVX2 EPYC (README, "Session 17")."""
     from ..api import cpu_has_native_bf16
 
     if w.dtype == torch.bfloat16 and w.device.type == "cpu" and not cpu_has_native_bf16():
