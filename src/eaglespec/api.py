@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import functools
-
 import os
 import time
 from dataclasses import asdict, dataclass, field

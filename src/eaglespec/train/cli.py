@@ -33,10 +33,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"], help="target dtype")
     p.add_argument("--quant", default=None, choices=list(QUANT_MODES),
-                   help="the target's linears while training (default: none, a GGUF's 4-bit blocks dequantised "
-                        "to --dtype, on CUDA and CPUs with native bf16, where the feature dump's long forwards run "
-                        "2x faster so; else auto, the package's integer kernels; int4/auto also saves memory on "
-                        "large targets)")
+                   help="the target's linears while training (default: none on CUDA and CPUs with native bf16, "
+                        "a GGUF's 4-bit blocks dequantised to --dtype, 2x faster there for the feature dump's long "
+                        "forwards; else auto, the package's integer kernels. int4/auto also saves memory on large "
+                        "targets)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--data", default=None, help="ShareGPT json/jsonl or OpenAI messages jsonl (default: packaged ShareGPT)")
     p.add_argument("--out", required=True, help="work directory: features/, checkpoint.pt, head/")
