@@ -215,7 +215,6 @@ def test_draft_vocab_counts_an_extra_dataset(tmp_path, tiny_chat_checkpoint, iso
     assert main(base + ["--out", str(tmp_path / "bad"), "--draft-vocab-data", str(tmp_path / "missing.jsonl")]) == 2
 
 
-
 @pytest.mark.parametrize("native_bf16, device, want", [(True, "cpu", "none"), (False, "cpu", "auto"),
                                                        (False, "cuda", "none")])
 def test_batched_commands_default_to_the_fastest_weights_here(monkeypatch, tmp_path, native_bf16, device, want):
