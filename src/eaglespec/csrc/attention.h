@@ -14,12 +14,6 @@ namespace eaglespec {
 
 constexpr int MAX_CHUNKS = 32;  // head_dim up to 512
 
-inline float lane_max(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < LANES; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-
 struct Call {
   const c10::BFloat16 *q, *k, *v;
   c10::BFloat16* out;
@@ -60,35 +54,39 @@ inline int64_t visible_slots(const Call& c, int64_t b, int64_t* slots, int64_t* 
 inline float softmax_row(float* sj, int64_t n, float scale = 1.f, uint16_t* bf16 = nullptr) {
   const int64_t blocks = (n + LANES - 1) / LANES;
   for (int64_t i = n; i < blocks * LANES; ++i) sj[i] = -INFINITY;
-  f32x16 top = f32x16{} - INFINITY;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    f32x16 x;
-    std::memcpy(&x, sj + blk * LANES, sizeof(x));
+  fvec top = fvec{} - INFINITY;
+  for (int64_t i = 0; i < blocks * LANES; i += NL) {
+    fvec x;
+    std::memcpy(&x, sj + i, sizeof(x));
     if (scale != 1.f) {
       x = x * scale;
-      std::memcpy(sj + blk * LANES, &x, sizeof(x));
+      std::memcpy(sj + i, &x, sizeof(x));
     }
     top = x > top ? x : top;
   }
-  const float mx = lane_max(top);
-  f32x16 total = f32x16{};
+  float mx = top[0];  // a maximum is exact in any order
+  for (int j = 1; j < NL; ++j) mx = top[j] > mx ? top[j] : mx;
+  fvec total[LANES / NL] = {};  // one 16-lane sum along the blocks, NL lanes at a time
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    f32x16 x;
-    std::memcpy(&x, sj + blk * LANES, sizeof(x));
-    f32x16 e = exp_nonpositive(x - mx);
-    e = x == -INFINITY ? f32x16{} : e;  // unused lanes weigh exactly nothing
-    std::memcpy(sj + blk * LANES, &e, sizeof(e));
-    if (bf16) {
+    for (int p = 0; p < LANES / NL; ++p) {
+      float* at = sj + blk * LANES + p * NL;
+      fvec x;
+      std::memcpy(&x, at, sizeof(x));
+      fvec e = exp_nonpositive(x - mx);
+      e = x == -INFINITY ? fvec{} : e;  // unused lanes weigh exactly nothing
+      std::memcpy(at, &e, sizeof(e));
+      if (bf16) {
 #if defined(__AVX512BF16__)  // one instruction, the same rounding (to nearest even) for these finite values
-      const __m256bh h = _mm512_cvtneps_pbh((__m512)e);
+        const __m256bh h = _mm512_cvtneps_pbh((__m512)e);
 #else
-      const u16x16 h = __builtin_convertvector(bf16_bits(e) >> 16, u16x16);
+        const halves_of<fvec> h = __builtin_convertvector(bf16_bits(e) >> 16, halves_of<fvec>);
 #endif
-      std::memcpy(bf16 + blk * LANES, &h, sizeof(h));
+        std::memcpy(bf16 + blk * LANES + p * NL, &h, sizeof(h));
+      }
+      total[p] = total[p] + e;
     }
-    total = total + e;
   }
-  return lane_sum(total);
+  return lane_sum(joined(total));
 }
 
 // Built with AMX-BF16 and granted the tile state by Linux (attention_amx.cpp).

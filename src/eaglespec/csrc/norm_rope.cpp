@@ -28,14 +28,16 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* xr = xp + r * H;
-      f32x16 ss = f32x16{};
+      fvec ss[LANES / NL] = {};  // one 16-lane sum of squares, NL lanes at a time
       for (int64_t c = 0; c < H; c += LANES) {
-        const f32x16 v = load_bf16(xr + c);
-        ss = ss + v * v;
+        for (int p = 0; p < LANES / NL; ++p) {
+          const fvec v = load_bf16<fvec>(xr + c + p * NL);
+          ss[p] = ss[p] + v * v;
+        }
       }
-      const float inv = 1.f / std::sqrt(lane_sum(ss) / static_cast<float>(H) + static_cast<float>(eps));
-      for (int64_t c = 0; c < H; c += LANES) {
-        store_bf16(yp + r * H + c, load_bf16(wp + c) * round_bf16(load_bf16(xr + c) * inv));
+      const float inv = 1.f / std::sqrt(lane_sum(joined(ss)) / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t c = 0; c < H; c += NL) {
+        store_bf16(yp + r * H + c, load_bf16<fvec>(wp + c) * round_bf16(load_bf16<fvec>(xr + c) * inv));
       }
     }
   });
@@ -45,10 +47,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // One head of hd = 2 * half values: y = x * cos + concat(-x2, x1) * sin in fp32, rounded once.
 static inline void rotate_head(const c10::BFloat16* xr, const c10::BFloat16* cr, const c10::BFloat16* sr,
                                c10::BFloat16* yr, int64_t half) {
-  for (int64_t c = 0; c < half; c += LANES) {
-    const f32x16 x1 = load_bf16(xr + c), x2 = load_bf16(xr + half + c);
-    store_bf16(yr + c, x1 * load_bf16(cr + c) - x2 * load_bf16(sr + c));
-    store_bf16(yr + half + c, x2 * load_bf16(cr + half + c) + x1 * load_bf16(sr + half + c));
+  for (int64_t c = 0; c < half; c += NL) {
+    const fvec x1 = load_bf16<fvec>(xr + c), x2 = load_bf16<fvec>(xr + half + c);
+    store_bf16(yr + c, x1 * load_bf16<fvec>(cr + c) - x2 * load_bf16<fvec>(sr + c));
+    store_bf16(yr + half + c, x2 * load_bf16<fvec>(cr + half + c) + x1 * load_bf16<fvec>(sr + half + c));
   }
 }
 

@@ -28,17 +28,17 @@ torch::Tensor silu_mul(torch::Tensor x) {
   const int64_t rows = x.numel() / (2 * I);
   const auto* xp = x.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  const f32x16 one = f32x16{} + 1.f, zero = f32x16{};
+  const fvec one = fvec{} + 1.f, zero = fvec{};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* g = xp + r * 2 * I;
       const c10::BFloat16* u = g + I;
-      for (int64_t c = 0; c < I; c += LANES) {
-        const f32x16 v = load_bf16(g + c);
-        const f32x16 e = exp_nonpositive(v < zero ? v : zero - v);  // exp(-|v|) in (0, 1]
-        f32x16 sig = (v < zero ? e : one) / (one + e);
-        sig = v < f32x16{} - 87.f ? zero : sig;  // where torch's exp(-v) overflows: silu = -0
-        store_bf16(yp + r * I + c, round_bf16(v * sig) * load_bf16(u + c));
+      for (int64_t c = 0; c < I; c += NL) {
+        const fvec v = load_bf16<fvec>(g + c);
+        const fvec e = exp_nonpositive(v < zero ? v : zero - v);  // exp(-|v|) in (0, 1]
+        fvec sig = (v < zero ? e : one) / (one + e);
+        sig = v < fvec{} - 87.f ? zero : sig;  // where torch's exp(-v) overflows: silu = -0
+        store_bf16(yp + r * I + c, round_bf16(v * sig) * load_bf16<fvec>(u + c));
       }
     }
   });
@@ -47,28 +47,28 @@ torch::Tensor silu_mul(torch::Tensor x) {
 
 // Index of each row's largest value: x [..., V] bf16 or fp32 -> [...] int64. The first maximum on
 // ties, as torch's argmax; NaNs are never chosen (a row of NaNs gives 0). Lane j keeps the best of
-// columns j, j + 16, ... (strictly greater replaces, so the earliest stays); the lanes are then
-// compared by value, ties to the lower column.
+// columns j, j + NL, ... (strictly greater replaces, so the earliest stays); the lanes are then
+// compared by value, ties to the lower column: the first maximum at any width.
 template <typename T>
 static int64_t argmax_row(const T* x, int64_t V) {
-  f32x16 best = f32x16{} - std::numeric_limits<float>::infinity();
-  i32x16 at = i32x16{} - 1;
-  i32x16 col = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  fvec best = fvec{} - std::numeric_limits<float>::infinity();
+  ivec at = ivec{} - 1, col;
+  for (int j = 0; j < NL; ++j) col[j] = j;
   int64_t c = 0;
-  for (; c + LANES <= V; c += LANES, col += LANES) {
-    f32x16 v;
+  for (; c + NL <= V; c += NL, col += NL) {
+    fvec v;
     if constexpr (std::is_same_v<T, float>) {
       std::memcpy(&v, x + c, sizeof(v));
     } else {
-      v = load_bf16(x + c);
+      v = load_bf16<fvec>(x + c);
     }
-    const i32x16 gt = (i32x16)(v > best);
+    const ivec gt = (ivec)(v > best);
     best = v > best ? v : best;
     at = (at & ~gt) | (col & gt);
   }
   float top = -std::numeric_limits<float>::infinity();
   int64_t idx = -1;
-  for (int j = 0; j < LANES; ++j) {
+  for (int j = 0; j < NL; ++j) {
     if (at[j] >= 0 && (best[j] > top || (best[j] == top && at[j] < idx))) top = best[j], idx = at[j];
   }
   for (; c < V; ++c) {  // the tail: columns past every lane's, so only a strictly larger value wins
@@ -107,23 +107,23 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 template <typename T>
 static void topk_logprobs_row(const T* x, int64_t V, int64_t k, float* vals, int64_t* idx) {
   auto load = [&](int64_t c) {
-    f32x16 v;
+    fvec v;
     if constexpr (std::is_same_v<T, float>) {
       std::memcpy(&v, x + c, sizeof(v));
     } else {
-      v = load_bf16(x + c);
+      v = load_bf16<fvec>(x + c);
     }
     return v;
   };
   const float inf = std::numeric_limits<float>::infinity();
   const int64_t full = V / LANES * LANES;
-  f32x16 mx = f32x16{} - inf;
-  for (int64_t c = 0; c < full; c += LANES) {
-    const f32x16 v = load(c);
+  fvec mx = fvec{} - inf;
+  for (int64_t c = 0; c < full; c += NL) {
+    const fvec v = load(c);
     mx = v > mx ? v : mx;
   }
   float m = -inf;
-  for (int j = 0; j < LANES; ++j) m = mx[j] > m ? mx[j] : m;
+  for (int j = 0; j < NL; ++j) m = mx[j] > m ? mx[j] : m;
   for (int64_t c = full; c < V; ++c) m = static_cast<float>(x[c]) > m ? static_cast<float>(x[c]) : m;
   for (int64_t j = 0; j < k; ++j) vals[j] = -inf, idx[j] = -1;
   auto offer = [&](float v, int64_t c) {  // insert (v, c) into the sorted top k; ties stay behind
@@ -135,20 +135,18 @@ static void topk_logprobs_row(const T* x, int64_t V, int64_t k, float* vals, int
     }
     vals[j] = v, idx[j] = c;
   };
-  f32x16 sum = f32x16{};
-  const f32x16 mv = f32x16{} + m;
+  fvec sum[LANES / NL] = {};  // lanes 0..15 of one 16-lane sum, NL at a time
+  const fvec mv = fvec{} + m;
   for (int64_t c = 0; c < full; c += LANES) {
-    const f32x16 v = load(c);
-    sum = sum + exp_nonpositive(v - mv);
-    bool any = idx[k - 1] < 0;
-    if (!any) {
-      for (int j = 0; j < LANES; ++j) any |= v[j] > vals[k - 1];
-    }
-    if (any) {
-      for (int j = 0; j < LANES; ++j) offer(v[j], c + j);
+    for (int p = 0; p < LANES / NL; ++p) {
+      const fvec v = load(c + p * NL);
+      sum[p] = sum[p] + exp_nonpositive(v - mv);
+      if (idx[k - 1] < 0 || any_greater(v, vals[k - 1])) {
+        for (int j = 0; j < NL; ++j) offer(v[j], c + p * NL + j);
+      }
     }
   }
-  float s = lane_sum(sum);
+  float s = lane_sum(joined(sum));
   for (int64_t c = full; c < V; ++c) {
     const float v = static_cast<float>(x[c]);
     const f32x16 e = exp_nonpositive(f32x16{} + (v - m));
