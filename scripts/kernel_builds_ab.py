@@ -5,11 +5,12 @@ Build the other revision's kernels first (each lands in ~/.cache/eaglespec/kerne
   git worktree add /tmp/prev REV && (cd /tmp/prev && PYTHONPATH=src python -c \\
     "from eaglespec import kernels; print(kernels.int4_kernel().__file__, kernels.ops_kernel().__file__)")
 then pass the two printed .so files:
-  python scripts/kernel_builds_ab.py --int4-so A.so --ops-so B.so [--e2e 10 18 --trees 4,2,2 8,3,4]
+  python scripts/kernel_builds_ab.py --int4-so A.so --ops-so B.so [--e2e 10 18 --trees 4,2,2 8,3,4 --repeats 3]
 
 int4 linears: the default model's 120 linears (random weights) at M rows; the other build reads
 fp32 group parameters when its `int4_gemm` refuses fp16 ones (revisions before 666c871).
 attention: 30 layers of a binary tree of T tokens over --context tokens.
+the other per-token ops (silu_mul, rms_norm, argmax_rows, topk_logprobs) at 1, 4 and 16 rows.
 e2e: two copies of the default model and the shipped head, one on the other builds; MT-bench first
 turns, 128 tokens, int4, T=0; every answer must agree across builds and methods.
 """
@@ -101,7 +102,34 @@ def attention_table(old, new, context: int, rounds: int) -> None:
         print(f"| {t} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {same} |")
 
 
-def e2e_table(old_int4, old_ops, data: str, first: int, last: int, trees: list[str]) -> None:
+def pointwise_table(old, new, rounds: int) -> None:
+    """The per-token ops besides attention, at decode, 4-row and 16-row sizes of the default model."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(576, generator=g).bfloat16()
+    cases = {}
+    for t in (1, 4, 16):
+        gate_up, hidden = torch.randn(1, t, 3072, generator=g).bfloat16(), torch.randn(1, t, 576, generator=g).bfloat16()
+        logits = torch.randn(t, 49152, generator=g).bfloat16()
+        cases[f"silu_mul, {t} x 3072"] = lambda m, x=gate_up: [m.silu_mul(x)]
+        cases[f"rms_norm, {t} x 576"] = lambda m, x=hidden: [m.rms_norm(x, w, 1e-5)]
+        cases[f"argmax_rows, {t} x 49152"] = lambda m, x=logits: [m.argmax_rows(x)]
+    draft = torch.randn(4, 8192, generator=g).bfloat16()
+    cases["topk_logprobs (k 4), 4 x 8192"] = lambda m: list(m.topk_logprobs(draft, 4))
+    print("| op, shape | other build us | this build us | speedup | same bits |\n|---|---|---|---|---|")
+    for name, f in cases.items():
+        same = all(torch.equal(a, b) for a, b in zip(f(old), f(new)))
+        times = {0: [], 1: []}
+        for _ in range(rounds):
+            for arm, mod in ((0, old), (1, new)):
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    f(mod)
+                times[arm].append((time.perf_counter() - t0) / 20 * 1e6)
+        a, b = statistics.median(times[0]), statistics.median(times[1])
+        print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.1f}x | {same} |")
+
+
+def e2e_table(old_int4, old_ops, data: str, first: int, last: int, trees: list[str], repeats: int = 1) -> None:
     from eaglespec.api import EagleSpec
     from eaglespec.config import SamplingConfig, TreeConfig
     from eaglespec.runtime.engine import Request
@@ -117,9 +145,10 @@ def e2e_table(old_int4, old_ops, data: str, first: int, last: int, trees: list[s
     arms = [("vanilla", None)] + [("eagle2", TreeConfig("eagle2", *map(int, t.split(",")))) for t in trees]
     acc: dict = {}
     answers: dict[int, set] = {}
-    for j, ids in enumerate(prompts):
+    for n, ids in enumerate(prompts * repeats):
+        j = n % len(prompts)  # the prompt; its answer must be the same on every pass
         builds = [("other", other, old_ops), ("this", this, new_ops)]
-        for name, es, ops in builds[:: 1 if j % 2 == 0 else -1]:
+        for name, es, ops in builds[:: 1 if n % 2 == 0 else -1]:
             kernels._loaded["ops"] = ops  # the attention, norm and RoPE kernels are looked up per call
             for method, tree in arms:
                 r = Request(ids, method, tree, SamplingConfig(temperature=0.0), max_new_tokens=128)
@@ -149,6 +178,7 @@ def main() -> None:
     ap.add_argument("--e2e", type=int, nargs=2, metavar=("FIRST", "LAST"), help="MT-bench lines to run end to end")
     ap.add_argument("--data", default="../shared/data/mt_bench/question.jsonl")
     ap.add_argument("--trees", nargs="*", default=["4,2,2", "8,3,4"])
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the e2e prompts (tokens/s summed)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     old_int4, old_ops = load_so(args.int4_so), load_so(args.ops_so)
@@ -159,9 +189,11 @@ def main() -> None:
     int4_table(old_int4, new_int4, args.rounds)
     print(f"\nattention, 30 layers, {args.context} context tokens:")
     attention_table(old_ops, new_ops, args.context, args.rounds)
+    print("\nthe other per-token ops (us a call):")
+    pointwise_table(old_ops, new_ops, args.rounds)
     if args.e2e:
         print()
-        e2e_table(old_int4, old_ops, args.data, *args.e2e, args.trees)
+        e2e_table(old_int4, old_ops, args.data, *args.e2e, args.trees, args.repeats)
 
 
 if __name__ == "__main__":
