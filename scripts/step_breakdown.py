@@ -2,7 +2,9 @@
 its attention, the rest), committing the accepted pairs, and the target's forward (its linears,
 its attention, the rest), per step, next to a vanilla decode's forward. Wall-clock timers around
 the calls (perf_counter), MT-bench first turns, T=0, one thread. The target's forwards include
-each request's prefill, spread over its steps. Asserts nothing.
+each request's prefill, spread over its steps. The parts are timed around module calls, so the
+decoder layers run their modules (`direct.DIRECT` off) unless --direct, which times the phases of
+the path the package takes (its products and attention are then not split out). Asserts nothing.
 
   python scripts/step_breakdown.py --data ../shared/data/mt_bench/question.jsonl --skip 10 --prompts 4 \
       --quant int8a16 --tree 16,5,4
@@ -18,6 +20,7 @@ import time
 import torch
 
 import eaglespec.attention as attention_mod
+import eaglespec.direct as direct_mod
 import eaglespec.quant as quant_mod
 import eaglespec.spec.propose as propose_mod
 from eaglespec.api import EagleSpec
@@ -68,8 +71,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--quant", default="auto")
     ap.add_argument("--tree", default="16,5,4", help="eagle2 total_tokens,depth,top_k")
+    ap.add_argument("--direct", action="store_true", help="the decoder layers' direct path (direct.py) on")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    direct_mod.DIRECT = args.direct
     eagle = EagleSpec.load(draft="default", quant=args.quant)
     timed_phase(propose_mod.Proposer, "propose", "draft")
     timed_phase(propose_mod.Proposer, "commit", "commit")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import ops_kernel
+
 
 class KVCache:
     """Keys and values for every layer: [layers, B, n_kv_heads, max_len, head_dim]."""
@@ -110,11 +112,14 @@ class RowKVCache:
         self._slots: torch.Tensor | None = None  # [B, T] where the next forward writes
         self._rows: torch.Tensor | None = None  # [B, T] their row ids (for advanced indexing)
         self._view = 0
+        self._views: tuple | None = None  # `layer_views`' per-forward views
+        self._layers: tuple | None = None  # (self.k, self.k and self.v unbound by layer)
 
     @classmethod
     def _wrap(cls, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> "RowKVCache":
         c = cls.__new__(cls)
         c.k, c.v, c.lengths, c._slots, c._rows, c._view = k, v, lengths, None, None, 0
+        c._views = c._layers = None
         return c
 
     @property
@@ -135,7 +140,7 @@ class RowKVCache:
         if view_len > self.capacity:
             raise ValueError(f"KV cache overflow: {view_len} slots asked of a cache of {self.capacity}; "
                              "allocate a larger cache (max_new_tokens / context)")
-        self._slots, self._view = slots, view_len
+        self._slots, self._view, self._views = slots, view_len, None
         self._rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +154,7 @@ class RowKVCache:
         else:
             self.k[layer][rows, :, slots] = k.transpose(1, 2)  # [B, T, n_kv, hd]
             self.v[layer][rows, :, slots] = v.transpose(1, 2)
-        return self.k[layer, :, :, : self._view], self.v[layer, :, :, : self._view]
+        return self.layer_views(layer)[2:]
 
     def write_rotated(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
                       n_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -163,14 +168,25 @@ class RowKVCache:
         if not (qkv.dtype == self.k.dtype == cos.dtype == torch.bfloat16 and qkv.device.type == "cpu"
                 and hd % 32 == 0 and not torch.is_grad_enabled() and qkv.stride(-1) == 1):
             return None
-        from .kernels import ops_kernel
-
         ops = ops_kernel()
         if ops is None:
             return None
         assert self._slots is not None, "call prepare() before a forward"
-        q = ops.qkv_rope_write(qkv, cos, sin, self.k[layer], self.v[layer], self._slots, n_heads, n_kv)
-        return q, self.k[layer, :, :, : self._view], self.v[layer, :, :, : self._view]
+        k_layer, v_layer, k_view, v_view = self.layer_views(layer)
+        q = ops.qkv_rope_write(qkv, cos, sin, k_layer, v_layer, self._slots, n_heads, n_kv)
+        return q, k_view, v_view
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values over the whole capacity ([B, n_kv, capacity, hd] each),
+        then over the prepared view ([B, n_kv, view_len, hd] each). Views of every layer are made
+        at once, once per prepared forward: sliced one layer at a time they cost about 1.4 ms of a
+        30-layer decode on a 2-core EPYC (torch takes ~9 us per slice)."""
+        if self._layers is None or self._layers[0] is not self.k:
+            self._layers = (self.k, self.k.unbind(0), self.v.unbind(0))
+        if self._views is None:
+            view = self._view
+            self._views = (self.k[:, :, :, :view].unbind(0), self.v[:, :, :, :view].unbind(0))
+        return self._layers[1][layer], self._layers[2][layer], self._views[0][layer], self._views[1][layer]
 
     def advance(self, t: int) -> None:
         """Lengths move only when the step commits (after verification), not per forward."""

@@ -1,0 +1,147 @@
+"""A decoder layer's inference path on a CPU that calls csrc's kernels directly.
+
+Owns: `DirectLayer`, the plan of one `model.DecoderLayer` whose every piece would take the package's
+bf16 CPU kernels anyway (RMSNorm, the fused q/k/v split + RoPE + cache write, decode attention,
+silu_mul, int4 / int8 products), and `direct_product`, a linear module's product as one call.
+
+Why: on a 2-core CPU a SmolLM2 decode step spent about 30% of its time outside the kernels, in
+module calls, the routing checks each module repeats and the reshapes around them (measured with
+`scripts/step_breakdown.py`: 18.7 ms of target forward, 13.2 ms of it in kernels). The plan
+decides once what each module would decide per call, and a layer runs as ten kernel calls.
+
+The same kernels get the same inputs, so the bits are the module path's (tests/test_direct.py
+compares logits and caches for decodes and trees). Anything the plan does not cover (training,
+fp32, other families' switches, biases, a kernel that did not build, a KV cache without the fused
+write, a block of rows beyond the decode attention's) takes the module path, decided per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import attention
+from .kernels import attention_amx, ops_kernel
+
+Product = Callable[[torch.Tensor], torch.Tensor]  # [M, K] contiguous -> [M, N]
+
+
+def direct_product(linear: nn.Module) -> Product | None:
+    """The product of an int4 / int8 linear module as one kernel call, or None where it does not
+    run a package kernel or has a bias (the module path keeps those)."""
+    from .quant import Int4Linear, Int8Linear
+
+    if getattr(linear, "bias", None) is not None:
+        return None
+    if isinstance(linear, Int4Linear) and linear.kernel == "vnni":
+        gemm, codes, params = linear._vnni.int4_gemm, linear.codes, linear.params
+        return lambda x: gemm(x, codes, params)
+    if isinstance(linear, Int8Linear) and linear.kernel == "vnni":
+        gemm, codes, scales = linear._vnni.int8_gemm, linear.codes, linear.wscale
+        return lambda x: gemm(x, codes, scales)
+    if isinstance(linear, Int8Linear) and linear.kernel == "a16":
+        gemm_a16, codes, scales, amx = linear._vnni.int8_a16_gemm, linear.codes, linear.wscale, linear.amx
+        return lambda x: gemm_a16(x, codes, scales, amx)
+    return None
+
+
+@dataclass(frozen=True)
+class DirectLayer:
+    """What one decoder layer's direct path reads. `modules`: the submodules it was planned from
+    (a layer whose modules were swapped since is planned again)."""
+
+    modules: tuple[nn.Module, ...] = field(repr=False)
+    attn_norm: torch.Tensor | None = field(repr=False)  # [H] (None: the EAGLE-1/2 draft layer has no input norm)
+    mlp_norm: torch.Tensor = field(repr=False)  # [H]
+    eps: float
+    qkv: Product = field(repr=False)
+    out: Product = field(repr=False)
+    gate_up: Product = field(repr=False)
+    down: Product = field(repr=False)
+    n_heads: int
+    n_kv: int
+    head_dim: int
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer: int,
+            mask: torch.Tensor | None) -> torch.Tensor | None:
+        """x [B, T, H] -> the layer's output [B, T, H], or None (nothing written) where this call's
+        cache or shapes fall outside the plan."""
+        b, t, h = x.shape
+        if t > attention.DECODE_ROWS or attention.DECODE_KERNEL != "exact" or cos.dtype != x.dtype:
+            return None
+        write = getattr(cache, "write_rotated", None)
+        ops = ops_kernel()
+        if write is None or ops is None:
+            return None
+        rows = b * t
+        x = x.reshape(rows, h)  # the residual stream as rows: no reshapes around each product
+        normed = x if self.attn_norm is None else ops.rms_norm(x, self.attn_norm, self.eps)
+        qkv = self.qkv(normed)  # [B*T, (nh + 2 nkv) hd]
+        fused = write(layer, qkv.view(b, t, -1), cos, sin, self.n_heads, self.n_kv)
+        if fused is None:
+            return None  # (the cache declined before writing anything)
+        q, k, v = fused  # [B, nh, T, hd], [B, nkv, S, hd] x 2
+        amx = self.head_dim % 32 == 0 and attention_amx()
+        y = ops.decode_attention(q, k, v, kernel_mask(mask, b, t, k.shape[2]), self.head_dim ** -0.5, amx)
+        x = x + self.out(y.transpose(1, 2).reshape(rows, self.n_heads * self.head_dim))  # y: [B, nh, T, hd]
+        x = x + self.down(ops.silu_mul(self.gate_up(ops.rms_norm(x, self.mlp_norm, self.eps))))
+        return x.view(b, t, h)
+
+
+_last_mask: tuple = (None, None)  # (a layer's mask, its kernel form): every layer of a forward shares one
+
+
+def kernel_mask(mask: torch.Tensor | None, b: int, t: int, s: int) -> torch.Tensor | None:
+    """A layer's mask ([T, S] or [B, 1, T, S]) as the decode attention kernel reads it: [B, T, S],
+    a view. Made once per forward: the layers get the same mask object."""
+    global _last_mask
+    if mask is None:
+        return None
+    given, expanded = _last_mask
+    if given is not mask or expanded.shape != (b, t, s):
+        expanded = (mask if mask.dim() == 2 else mask[:, 0]).expand(b, t, s)
+        _last_mask = (mask, expanded)
+    return expanded
+
+def plan_layer(layer: nn.Module) -> DirectLayer | None:
+    """The direct plan of a `model.DecoderLayer`, or None where a piece would not take the kernels
+    (the layer then always runs its modules)."""
+    from .model import MLP, RMSNorm
+
+    attn, mlp = layer.attn, layer.mlp
+    norm_in = layer.attn_norm
+    if not isinstance(mlp, MLP) or mlp.act is not F.silu or mlp.inter % 16:
+        return None  # MoE, GeGLU
+    if attn.q_norm is not None or attn.q_scale != 1.0 or attn.hd % 32:
+        return None  # q/k norms, Gemma's query scale; the fused RoPE write wants whole 32-wide halves
+    if not isinstance(layer.post_attn_norm, nn.Identity) or not isinstance(layer.post_mlp_norm, nn.Identity):
+        return None  # sandwich norms
+    norms = [layer.mlp_norm] + ([] if isinstance(norm_in, nn.Identity) else [norm_in])
+    if not all(isinstance(n, RMSNorm) and n.weight.dtype == torch.bfloat16 and n.eps == layer.mlp_norm.eps
+               for n in norms) or layer.mlp_norm.weight.shape[0] % 16:
+        return None
+    products = [direct_product(m) for m in (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down)]
+    if any(p is None for p in products):
+        return None
+    return DirectLayer(
+        modules=layer_modules(layer),
+        attn_norm=None if isinstance(norm_in, nn.Identity) else norm_in.weight,
+        mlp_norm=layer.mlp_norm.weight, eps=layer.mlp_norm.eps,
+        qkv=products[0], out=products[1], gate_up=products[2], down=products[3],
+        n_heads=attn.n_heads, n_kv=attn.n_kv, head_dim=attn.hd)
+
+
+def layer_modules(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """The submodules a plan depends on, by identity."""
+    attn, mlp = layer._modules["attn"], layer._modules["mlp"]
+    return (attn, mlp, layer._modules["attn_norm"], layer._modules["mlp_norm"],
+            attn._modules["wqkv"], attn._modules["wo"], mlp._modules.get("w_gate_up"), mlp._modules.get("w_down"))
+
+
+# Whether decoder layers take the direct path where it applies (A/B scripts and the per-module
+# timings of scripts/step_breakdown.py turn it off).
+DIRECT = True
