@@ -136,8 +136,8 @@ inline f32x16 fmadd(f32x16 a, f32x16 b, f32x16 c) {
 }
 inline f32x8 fmadd(f32x8 a, f32x8 b, f32x8 c) { return a * b + c; }  // 8 lanes: AVX2 builds, never fused
 
-// exp of 16 values <= 0 (scores minus their maximum), ours rather than libm's so that the result
-// is the same function everywhere: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series
+// exp of values <= 0 (scores minus their maximum), a vector of any width, ours rather than libm's
+// so that the result is the same function everywhere: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series
 // to r^7 (relative error below 2e-7), times 2^n built from the exponent bits. Below -87 the
 // result is clamped to exp(-87) (~1.6e-38), negligible against the maximum's weight of 1.
 template <class F>
