@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 # Calls with at most this many new tokens per row take `grouped_attention` (trees and decode);
 # longer ones (prefill chunks) take the flash kernel. A node's exactness needs the target's
 # decode and verify calls on the same side of this bound: trees are far smaller.
@@ -187,16 +189,14 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     multiple of 16, kernel not built)."""
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or q.shape[-1] % 16 or k.stride(-1) != 1:
         return None
-    from .kernels import attention_amx, ops_kernel
-
-    mod = ops_kernel()
+    mod = kernels.ops_kernel()
     if mod is None:
         return None
     b, _, t, _ = q.shape
     s = k.shape[2]
     if mask is not None:
         mask = (mask if mask.dim() == 2 else mask[:, 0]).expand(b, t, s)  # [B, T, S], a view
-    amx = q.shape[-1] % 32 == 0 and attention_amx()  # tiles where they fit (a head_dim fixes the path for good)
+    amx = q.shape[-1] % 32 == 0 and kernels.attention_amx()  # tiles where they fit (a head_dim fixes the path for good)
     return mod.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5, amx)
 
 
@@ -210,9 +210,7 @@ def exact_attention_here() -> bool:
     where it builds (row-invariant by construction), else `grouped_attention`, whose bf16 products
     are torch's: measured row-invariant on CPUs with AVX-512, but not on an AVX2-only EPYC, where
     a node's scores depend on its column in the product (tests/test_row_invariance.py)."""
-    from .kernels import cpu_features, ops_kernel
-
-    return ops_kernel() is not None or "avx512_f" in cpu_features()
+    return kernels.ops_kernel() is not None or "avx512_f" in kernels.cpu_features()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

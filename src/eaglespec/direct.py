@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attention
-from .kernels import attention_amx, ops_kernel
+from . import attention, kernels
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # [M, K] contiguous -> [M, N]
 
@@ -51,10 +50,8 @@ def direct_product(linear: nn.Module) -> Product | None:
 
 @dataclass(frozen=True)
 class DirectLayer:
-    """What one decoder layer's direct path reads. `modules`: the submodules it was planned from
-    (a layer whose modules were swapped since is planned again)."""
+    """What one decoder layer's direct path reads."""
 
-    modules: tuple[nn.Module, ...] = field(repr=False)
     attn_norm: torch.Tensor | None = field(repr=False)  # [H] (None: the EAGLE-1/2 draft layer has no input norm)
     mlp_norm: torch.Tensor = field(repr=False)  # [H]
     eps: float
@@ -71,10 +68,10 @@ class DirectLayer:
         """x [B, T, H] -> the layer's output [B, T, H], or None (nothing written) where this call's
         cache or shapes fall outside the plan."""
         b, t, h = x.shape
-        if t > attention.DECODE_ROWS or attention.DECODE_KERNEL != "exact" or cos.dtype != x.dtype:
+        if t > attention.DECODE_ROWS or attention.DECODE_KERNEL != "exact":
             return None
         write = getattr(cache, "write_rotated", None)
-        ops = ops_kernel()
+        ops = kernels.ops_kernel()
         if write is None or ops is None:
             return None
         rows = b * t
@@ -85,27 +82,11 @@ class DirectLayer:
         if fused is None:
             return None  # (the cache declined before writing anything)
         q, k, v = fused  # [B, nh, T, hd], [B, nkv, S, hd] x 2
-        amx = self.head_dim % 32 == 0 and attention_amx()
-        y = ops.decode_attention(q, k, v, kernel_mask(mask, b, t, k.shape[2]), self.head_dim ** -0.5, amx)
+        y = attention.kernel_attention(q, k, v, mask)  # takes every call the fused write took (bf16, hd % 32)
         x = x + self.out(y.transpose(1, 2).reshape(rows, self.n_heads * self.head_dim))  # y: [B, nh, T, hd]
         x = x + self.down(ops.silu_mul(self.gate_up(ops.rms_norm(x, self.mlp_norm, self.eps))))
         return x.view(b, t, h)
 
-
-_last_mask: tuple = (None, None)  # (a layer's mask, its kernel form): every layer of a forward shares one
-
-
-def kernel_mask(mask: torch.Tensor | None, b: int, t: int, s: int) -> torch.Tensor | None:
-    """A layer's mask ([T, S] or [B, 1, T, S]) as the decode attention kernel reads it: [B, T, S],
-    a view. Made once per forward: the layers get the same mask object."""
-    global _last_mask
-    if mask is None:
-        return None
-    given, expanded = _last_mask
-    if given is not mask or expanded.shape != (b, t, s):
-        expanded = (mask if mask.dim() == 2 else mask[:, 0]).expand(b, t, s)
-        _last_mask = (mask, expanded)
-    return expanded
 
 def plan_layer(layer: nn.Module) -> DirectLayer | None:
     """The direct plan of a `model.DecoderLayer`, or None where a piece would not take the kernels
@@ -128,7 +109,6 @@ def plan_layer(layer: nn.Module) -> DirectLayer | None:
     if any(p is None for p in products):
         return None
     return DirectLayer(
-        modules=layer_modules(layer),
         attn_norm=None if isinstance(norm_in, nn.Identity) else norm_in.weight,
         mlp_norm=layer.mlp_norm.weight, eps=layer.mlp_norm.eps,
         qkv=products[0], out=products[1], gate_up=products[2], down=products[3],
@@ -136,7 +116,8 @@ def plan_layer(layer: nn.Module) -> DirectLayer | None:
 
 
 def layer_modules(layer: nn.Module) -> tuple[nn.Module, ...]:
-    """The submodules a plan depends on, by identity."""
+    """The submodules a plan depends on, by identity (a layer whose modules were swapped is planned
+    again)."""
     attn, mlp = layer._modules["attn"], layer._modules["mlp"]
     return (attn, mlp, layer._modules["attn_norm"], layer._modules["mlp_norm"],
             attn._modules["wqkv"], attn._modules["wo"], mlp._modules.get("w_gate_up"), mlp._modules.get("w_down"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import ops_kernel
+from . import kernels
 
 
 class KVCache:
@@ -168,7 +168,7 @@ class RowKVCache:
         if not (qkv.dtype == self.k.dtype == cos.dtype == torch.bfloat16 and qkv.device.type == "cpu"
                 and hd % 32 == 0 and not torch.is_grad_enabled() and qkv.stride(-1) == 1):
             return None
-        ops = ops_kernel()
+        ops = kernels.ops_kernel()
         if ops is None:
             return None
         assert self._slots is not None, "call prepare() before a forward"

@@ -26,7 +26,6 @@ from torch import nn
 from . import direct
 from .attention import attend
 from .config import ModelConfig
-from .direct import DirectLayer
 from .kernels import ops_kernel, pinned_ops
 from .kv_cache import KVCache
 
@@ -239,7 +238,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
         self.post_attn_norm = RMSNorm(h, eps) if cfg.sandwich_norms else nn.Identity()
         self.post_mlp_norm = RMSNorm(h, eps) if cfg.sandwich_norms else nn.Identity()
-        self._direct: tuple[tuple[nn.Module, ...], DirectLayer | None] | None = None  # (planned from, plan)
+        self._direct: tuple[tuple[nn.Module, ...], direct.DirectLayer | None] | None = None  # (planned from, plan)
 
     def forward(self, x, cos, sin, cache: KVCache | None, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
         if cache is not None and direct.DIRECT and cpu_kernels_apply(x):
@@ -250,7 +249,7 @@ class DecoderLayer(nn.Module):
         x = x + self.post_attn_norm(self.attn(self.attn_norm(x), cos, sin, cache, layer, mask))
         return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))
 
-    def direct_plan(self) -> DirectLayer | None:
+    def direct_plan(self) -> direct.DirectLayer | None:
         """This layer's direct CPU plan (direct.py), made again only when its modules change."""
         key = direct.layer_modules(self)
         if self._direct is None or self._direct[0] != key:
