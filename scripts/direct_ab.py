@@ -1,10 +1,12 @@
-"""The decoder layers' direct path (eaglespec/direct.py) against their modules, in one process:
+"""The decoder layers' direct path (eaglespec/direct.py) against their modules, in one process
+(--switch direct), or all layers as one LayerStack call against the per-layer direct path
+(--switch stack):
 vanilla and eagle2 trees on MT-bench first turns, T=0, the arms interleaved per prompt (their
 order alternating by repeat) so that the machine's drift hits both. Checks that every output is
 identical between the arms; prints tokens/s of each arm and their ratio.
 
   python scripts/direct_ab.py --data ../shared/data/mt_bench/question.jsonl --skip 10 --prompts 8 \
-      --trees 3,2,1 4,2,2 6,3,2 8,3,4 16,5,4
+      --trees 3,2,1 4,2,2 6,3,2 8,3,4 16,5,4 [--switch stack]
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quant", default="auto")
     ap.add_argument("--trees", nargs="*", default=["4,2,2"], help="eagle2 total_tokens,depth,top_k")
+    ap.add_argument("--switch", choices=("direct", "stack"), default="direct",
+                    help="what the arms toggle: direct.DIRECT (modules off) or direct.STACK (per-layer off)")
     args = ap.parse_args()
+    labels = ("direct", "modules") if args.switch == "direct" else ("stack", "per-layer")
     torch.set_num_threads(1)
     eagle = EagleSpec.load(draft="default", quant=args.quant)
     lines = open(args.data, encoding="utf-8").read().splitlines()[args.skip:args.skip + args.prompts]
@@ -51,16 +56,16 @@ def main() -> None:
         for prompt in prompts:
             for name, tree in arms:
                 for on in ((True, False) if rep % 2 == 0 else (False, True)):
-                    direct.DIRECT = on
+                    setattr(direct, args.switch.upper(), on)
                     t0 = time.perf_counter()
                     req = run(prompt, tree)
                     seconds[name, on] = seconds.get((name, on), 0.0) + time.perf_counter() - t0
                     tokens[name, on] = tokens.get((name, on), 0) + len(req.pending_tokens)
                     outputs.setdefault((name, on), []).append(list(req.pending_tokens))
-    direct.DIRECT = True
+    setattr(direct, args.switch.upper(), True)
     for name, _ in arms:
         on, off = tokens[name, True] / seconds[name, True], tokens[name, False] / seconds[name, False]
-        print(f"{name:8} direct {on:6.1f} tok/s, modules {off:6.1f} tok/s, {on / off:.3f}x, "
+        print(f"{name:8} {labels[0]} {on:6.1f} tok/s, {labels[1]} {off:6.1f} tok/s, {on / off:.3f}x, "
               f"identical {outputs[name, True] == outputs[name, False]}")
 
 

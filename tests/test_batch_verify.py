@@ -59,14 +59,17 @@ def random_tree(rng: random.Random, logits: torch.Tensor, size: int, with_q: boo
     return Tree.from_parents(tokens, parents, draft_probs=q)
 
 
-def random_batch(seed: int, with_q: bool = False, greedy_share: float = 0.0):
+TEMPERATURE_ONLY = [c for c in CONFIGS if not c.top_k and c.top_p >= 1.0]  # the CPU kernel's rows
+
+
+def random_batch(seed: int, with_q: bool = False, greedy_share: float = 0.0, configs=CONFIGS):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     b, n = rng.randint(1, 6), rng.randint(1, 14)
     logits = torch.randn(b, n, V) * 2.5  # continuous: argmax ties have probability 0
     trees = [random_tree(rng, logits[r], rng.randint(1, n), with_q) for r in range(b)]
     cfgs = [SamplingConfig(temperature=0.0, seed=rng.getrandbits(62)) if rng.random() < greedy_share
-            else replace(rng.choice(CONFIGS), seed=rng.getrandbits(62)) for _ in range(b)]
+            else replace(rng.choice(configs), seed=rng.getrandbits(62)) for _ in range(b)]
     tree = BatchTree.from_trees(trees, budget=n)
     step = torch.tensor([rng.getrandbits(40) for _ in range(b)])
     return trees, tree, logits, cfgs, RowSampling.from_configs(cfgs), step
@@ -96,13 +99,21 @@ def assert_row(acc, r: int, want: oracle.Acceptance) -> None:
 
 
 # --- differential: batched == oracle ----------------------------------------------------------
-@pytest.mark.parametrize("mode", ["greedy", "q1", "pq", "mixed"])
-def test_matches_oracle(mode):
+@pytest.mark.parametrize("mode", ["greedy", "greedy-torch", "q1", "pq", "mixed", "q1-temperature", "pq-temperature",
+                                  "q1-temperature-torch"])
+def test_matches_oracle(mode, monkeypatch):
+    """greedy: the CPU kernel (verify_greedy_rows) where it builds; -torch: the torch ops that run
+    elsewhere (CUDA), forced here by turning the kernels off; -temperature: only temperature-only
+    rows, which the CPU kernel (verify_sampling_rows) takes whole."""
+    if mode.endswith("-torch"):
+        monkeypatch.setenv("EAGLESPEC_KERNELS", "0")
     counts = Counter()
     for seed in range(150):
         trees, tree, logits, cfgs, sampling, step = random_batch(
-            seed, with_q=mode == "pq", greedy_share={"greedy": 1.0, "mixed": 0.5}.get(mode, 0.0))
-        if mode == "greedy":
+            seed, with_q=mode.startswith("pq"),
+            greedy_share={"greedy": 1.0, "greedy-torch": 1.0, "mixed": 0.5}.get(mode, 0.0),
+            configs=TEMPERATURE_ONLY if "temperature" in mode else CONFIGS)
+        if mode.startswith("greedy"):
             acc = bv.verify_greedy(tree, logits)
         elif mode == "mixed":
             acc = bv.verify(tree, logits, sampling, step)
@@ -116,7 +127,9 @@ def test_matches_oracle(mode):
     assert set(range(1, 5)) <= set(counts), counts  # accepted runs of lengths 0..3 at least
 
 
-def test_greedy_duplicate_siblings_follow_the_first():
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_greedy_duplicate_siblings_follow_the_first(kernels, monkeypatch):
+    monkeypatch.setenv("EAGLESPEC_KERNELS", kernels)
     # Nodes 1 and 2 both carry the root's argmax; only node 2 has a (matching) child. The oracle
     # takes node 1, the first match, and stops there.
     tree = Tree.from_parents([0, 3, 3, 5], [-1, 0, 0, 2])
@@ -218,22 +231,27 @@ NO_RESIDUAL = ("_residual", lambda p, q, x: p)
 NO_RENORM = ("_normalised", lambda x: x)
 
 
-@pytest.mark.parametrize("attr, wrong", [NO_RESIDUAL, NO_RENORM, ("uniforms", shared_accept_uniform)],
-                         ids=["no-residual", "no-renorm", "shared-uniform"])
-def test_q1_statistic_has_power(monkeypatch, attr, wrong):
+@pytest.mark.parametrize("attr, wrong, kernels", [NO_RESIDUAL + ("0",), NO_RENORM + ("0",),
+                                                  ("uniforms", shared_accept_uniform, "0"),
+                                                  ("uniforms", shared_accept_uniform, "1")],
+                         ids=["no-residual", "no-renorm", "shared-uniform", "shared-uniform-kernel"])
+def test_q1_statistic_has_power(monkeypatch, attr, wrong, kernels):
+    """The broken torch pieces are seen with the kernels off (CONFIGS[0] is temperature-only, which
+    the CPU kernel takes); the kernel's own inputs (its uniforms) can be broken from here too."""
+    monkeypatch.setenv("EAGLESPEC_KERNELS", kernels)
     monkeypatch.setattr(bv, attr, wrong)
     counts, expected = q1_counts(CONFIGS[0])
     pval, stat, df = chi_square_pvalue(counts, expected)
     assert pval < FAIL_P, (stat, df)
 
 
-def pq_counts(seed: int = 5) -> tuple[Counter, Counter, dict, dict]:
+def pq_counts(seed: int = 5, top_k: int = 7) -> tuple[Counter, Counter, dict, dict]:
     """A Markov world: after token x the target's logits are L[x] and the drafter's q is Q[x]. Each
     of N_DRAWS rows drafts fresh children without replacement from q: 3 under the root, 2 under
     the first child. Returns the emitted first tokens, the (first, second) pairs where the first
     child was accepted, and their exact distributions (the second given the first)."""
     g = torch.Generator().manual_seed(99)
-    cfg = SamplingConfig(temperature=1.0, top_k=7, seed=seed)
+    cfg = SamplingConfig(temperature=1.0, top_k=top_k, seed=seed)  # top_k 0: the CPU kernel's path
     big_l, root_l = torch.randn(V, V, generator=g) * 1.5, torch.randn(V, generator=g) * 1.5
     big_q, q0 = torch.softmax(torch.randn(V, V, generator=g), -1), torch.softmax(torch.randn(V, generator=g) * 1.5, -1)
     q0[int(root_l.argmin())] += 0.3  # mass where top-k leaves p none
@@ -261,8 +279,9 @@ def pq_counts(seed: int = 5) -> tuple[Counter, Counter, dict, dict]:
     return firsts, seconds, exp_first, exp_second
 
 
-def test_pq_rule_lossless():
-    firsts, seconds, exp_first, exp_second = pq_counts()
+@pytest.mark.parametrize("top_k", [7, 0], ids=["topk7-torch", "temperature-only-kernel"])
+def test_pq_rule_lossless(top_k):
+    firsts, seconds, exp_first, exp_second = pq_counts(top_k=top_k)
     p1, s1, df1 = chi_square_pvalue(firsts, exp_first)
     assert df1 >= 5 and p1 > PASS_P, (s1, df1)
     p2, s2, df2 = chi_square_pvalue(seconds, exp_second)
@@ -270,11 +289,33 @@ def test_pq_rule_lossless():
 
 
 @pytest.mark.parametrize("attr, wrong", [NO_RESIDUAL, NO_RENORM], ids=["no-residual", "no-renorm"])
-def test_pq_statistic_has_power(monkeypatch, attr, wrong):
+@pytest.mark.parametrize("top_k", [7, 0])
+def test_pq_statistic_has_power(monkeypatch, attr, wrong, top_k):
+    monkeypatch.setenv("EAGLESPEC_KERNELS", "0")  # the broken pieces are the torch path's
     monkeypatch.setattr(bv, attr, wrong)
-    firsts, _, exp_first, _ = pq_counts()
+    firsts, _, exp_first, _ = pq_counts(top_k=top_k)
     pval, stat, df = chi_square_pvalue(firsts, exp_first)
     assert pval < FAIL_P, (stat, df)
+
+
+def test_greedy_kernel_is_the_torch_path_in_bf16(monkeypatch):
+    """The CPU kernel and the torch ops give the same tensors, padding columns included, on bf16
+    logits with many ties (the first maximum must win in both) and rows cut short by `valid`."""
+    from eaglespec.kernels import ops_kernel
+
+    if ops_kernel() is None:
+        pytest.skip("the ops kernel could not be built here")
+    cases = []
+    for seed in range(100):
+        _, tree, logits, _, _, _ = random_batch(seed, greedy_share=1.0)
+        logits = (logits * 0.3).round().bfloat16()
+        cases.append((tree, logits, bv.verify_greedy(tree, logits), bv.verify_greedy(tree, logits.float())))
+    monkeypatch.setattr(bv, "ops_kernel", lambda: None)
+    for tree, logits, got, got_fp32 in cases:
+        want = bv.verify_greedy(tree, logits)
+        for name in ("path", "count", "emitted", "bonus"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+            assert torch.equal(getattr(got_fp32, name), getattr(want, name)), name
 
 
 # --- no host synchronisation -------------------------------------------------------------------

@@ -364,3 +364,87 @@ def test_qkv_rope_write_is_the_separate_steps_bit_for_bit(rows, t, monkeypatch):
     for r in range(rows):
         written[1, r + 1, :, slots[r]] = True
     assert bool((ca.k != start)[~written].logical_not().all()) and bool((ca.k != start)[written].any())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_keep_rows_is_the_indexed_copy(dtype, monkeypatch):
+    """RowKVCache.keep through the kernel (keep_rows) leaves both caches bit-equal to torch's
+    indexed copy, padding entries (src[j] < j, written past the new length) included, on a
+    row-sliced cache too."""
+    from eaglespec.kv_cache import RowKVCache
+
+    g = torch.Generator().manual_seed(3)
+    paths = torch.tensor([[0, 0, 0, 0], [0, 2, 5, 6], [0, 1, 1, 1], [0, 3, 3, 3]])  # [B, D + 1]
+    start = torch.tensor([4, 9, 0, 17])
+    count = torch.tensor([1, 4, 2, 2])
+    caches = []
+    for kernels in ("1", "0"):
+        monkeypatch.setenv("EAGLESPEC_KERNELS", kernels)
+        c = RowKVCache(3, 2, 32, 40, 5, dtype)
+        c.k.copy_(torch.randn(c.k.shape, generator=g.manual_seed(1)))
+        c.v.copy_(torch.randn(c.v.shape, generator=g.manual_seed(2)))
+        c.rows(1, 5).keep(start, paths, count)
+        caches.append(c)
+    (a, b) = caches
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.lengths, b.lengths)
+    assert a.lengths.tolist() == [0, 5, 13, 2, 19]
+    fresh = torch.randn(a.k.shape, generator=g.manual_seed(1)).to(dtype)
+    assert torch.equal(a.k[:, 2, :, 9 + 1], fresh[:, 2, :, 9 + 2])  # the copy happened
+    assert torch.equal(a.k[:, 0], fresh[:, 0])  # rows outside the slice untouched
+
+
+def test_uniforms_kernel_is_the_torch_mixer_bit_for_bit(monkeypatch):
+    from eaglespec.spec.rng import ACCEPT, DRAFT, uniforms
+
+    g = torch.Generator().manual_seed(0)
+    seed = torch.randint(-(1 << 62), 1 << 62, (5,), generator=g)
+    seed[0] = (1 << 63) - 1  # extremes of the wrap-around arithmetic
+    step = torch.randint(0, 1 << 40, (5,), generator=g)
+    for node, purpose in ((torch.randint(0, 64, (5,), generator=g), ACCEPT),
+                          (torch.randint(0, 64, (5, 7), generator=g), DRAFT)):
+        got = uniforms(seed, step, node, purpose)
+        monkeypatch.setenv("EAGLESPEC_KERNELS", "0")
+        want = uniforms(seed, step, node, purpose)
+        monkeypatch.delenv("EAGLESPEC_KERNELS")
+        assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_rows_is_torch_softmax_up_to_rounding(dtype):
+    """softmax(x / T) per row (temperature per leading row): within fp32 rounding of torch's,
+    exactly 0 for -inf logits and far below the maximum, and what the CPU sampling paths use."""
+    from eaglespec.config import SamplingConfig
+    from eaglespec.sampling import probabilities
+    from eaglespec.spec.sampling import RowSampling, row_probabilities
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 2, 49157, generator=g) * 4).to(dtype)  # a width with a scalar tail
+    x[0, 0, 5] = float("-inf")
+    x[1, 1, 7] = 1000.0  # everything else underflows
+    t = torch.tensor([1.0, 0.5, 1.7])
+    got = ops_kernel().softmax_rows(x, t)
+    want = torch.softmax(x.float() / t[:, None, None], -1)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-9)
+    assert got[0, 0, 5] == 0 and got[1, 1, 7] == 1 and (got[1, 1] > 0).sum() == 1
+    rows = RowSampling.from_configs([SamplingConfig(temperature=float(v)) for v in t])
+    assert torch.equal(row_probabilities(x, rows), got)
+    assert torch.equal(probabilities(x[2, 1], SamplingConfig(temperature=1.7)), got[2, 1])
+
+
+def test_draw_rows_is_the_inverse_cdf(monkeypatch):
+    """The kernel's draw picks torch's index (the sums round differently, so a u within ~1e-12 of a
+    boundary could differ: none of these) and never a zero-mass token, even for u -> 1."""
+    from eaglespec.spec.rng import draw
+
+    g = torch.Generator().manual_seed(2)
+    probs = torch.softmax(torch.randn(64, 1000, generator=g) * 3, -1)
+    probs[:, 990:] = 0  # mass ends early: u near 1 must not land past it
+    probs[::2, 100:200] = 0
+    probs = probs / probs.sum(-1, keepdim=True)
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1 - 2 ** -53, 0.5, 1e-300], dtype=torch.float64)
+    got = draw(probs, u)
+    monkeypatch.setenv("EAGLESPEC_KERNELS", "0")
+    want = draw(probs, u)
+    assert torch.equal(got, want)
+    assert (probs.gather(1, got[:, None]) > 0).all() and int(got[1]) == int((probs[1] > 0).nonzero().max())

@@ -26,7 +26,9 @@ def quant_model(mode: str, arch: str = "llama"):
 
 @pytest.fixture
 def direct_calls(monkeypatch):
-    """Counts the layer calls the direct path took (a plan that returned an output)."""
+    """Counts the layer calls the direct path took (a plan that returned an output), with the
+    one-call stack of all layers off (its own tests are below)."""
+    monkeypatch.setattr(direct, "STACK", False)
     taken = []
     run = DirectLayer.run
 
@@ -127,3 +129,80 @@ def test_a_swapped_module_is_planned_again():
     assert second is not None and second is not first
     layer.mlp.w_down = torch.nn.Linear(128, 64, bias=False, dtype=torch.bfloat16)
     assert layer.direct_plan() is None
+
+
+@pytest.fixture
+def stack_runs(monkeypatch):
+    """Counts the forwards that ran all layers as one LayerStack call (direct.run_stack's results)."""
+    taken = []
+    run = direct.run_stack
+
+    def counted(*args, **kwargs):
+        out = run(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(direct, "run_stack", counted)
+    return taken
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_the_layer_stack_gives_the_per_layer_paths_bits(mode, monkeypatch, stack_runs):
+    """All layers in one C++ call (csrc/layer_stack.cpp) against the per-layer direct path and the
+    modules: the same logits and KV caches for a causal prefill and a tree."""
+    if mode == "int8" and kernels.int8_kernel() is None:
+        pytest.skip("the int8 kernel did not build here")
+    model = quant_model(mode)
+    stacked = prefill_then_tree(model)
+    assert stack_runs == [True, True]
+    monkeypatch.setattr(direct, "STACK", False)
+    per_layer = prefill_then_tree(model)
+    monkeypatch.setattr(direct, "DIRECT", False)
+    modules = prefill_then_tree(model)
+    assert stack_runs == [True, True]  # the other two arms never asked
+    for a, b, c in zip(stacked, per_layer, modules):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_the_layer_stack_keeps_the_hidden_states_eagle3_reads(monkeypatch, stack_runs):
+    """hidden_layers split the stack into runs; each kept state is the layer loop's."""
+    model = quant_model("int4")
+    cfg = model.config
+    outs = []
+    for stack in (True, False):
+        monkeypatch.setattr(direct, "STACK", stack)
+        cache = RowKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 1, torch.bfloat16)
+        cache.prepare(torch.arange(4)[None], 4)
+        causal = torch.ones(1, 4, 4, dtype=torch.bool).tril()
+        zero = torch.zeros(1, dtype=torch.long)
+        with torch.no_grad():
+            outs.append(model(torch.tensor([[3, 1, 4, 1]]), torch.arange(4)[None], cache,
+                              row_attention_mask(zero, zero, causal, 4)[:, None], hidden_layers=(0, 1)))
+    assert stack_runs == [True]
+    assert sorted(outs[0].hidden) == [0, 1]
+    for i in (0, 1):
+        assert torch.equal(outs[0].hidden[i], outs[1].hidden[i])
+    assert torch.equal(outs[0].logits, outs[1].logits)
+
+
+def test_the_layer_stack_declines_what_a_layer_would(monkeypatch, stack_runs):
+    """A block over attention.DECODE_ROWS declines before writing (the layers then run their
+    modules); a swapped module builds a new stack; models with sliding windows never ask."""
+    from eaglespec import attention
+
+    model = quant_model("int4")
+    monkeypatch.setattr(attention, "DECODE_ROWS", 5)
+    on = prefill_then_tree(model, prefill=6)
+    assert stack_runs == [False, True]
+    monkeypatch.setattr(direct, "DIRECT", False)
+    off = prefill_then_tree(model, prefill=6)
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(direct, "DIRECT", True)
+    first = model._stack[1]
+    model.layers[1].mlp.w_down = copy.copy(model.layers[1].mlp.w_down)
+    prefill_then_tree(model)
+    assert model._stack[1] is not first and model._stack[1] is not None
+    gemma = quant_model("int4", "gemma3")
+    prefill_then_tree(gemma)
+    assert stack_runs == [False, True, False, True]  # (prefill of 7 > 5 rows); gemma never reached run_stack

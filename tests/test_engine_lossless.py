@@ -545,7 +545,10 @@ def verify_first_child(tree, logits, sampling, step, *, max_children=None):
 
 
 def no_zeroing(monkeypatch):
-    """WRONG: a rejected draft token keeps its mass in p (accept with p(x), never remove x)."""
+    """WRONG: a rejected draft token keeps its mass in p (accept with p(x), never remove x).
+    Broken in the torch ops, so verification is routed to them (a CPU runs temperature-only rows
+    through csrc/sampling.cpp, whose agreement with the oracle tests/test_batch_verify.py checks)."""
+    monkeypatch.setattr(spec_verify, "ops_kernel", lambda: None)
     monkeypatch.setattr(spec_verify, "_residual", lambda p, q, x: p)
 
 

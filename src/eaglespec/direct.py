@@ -48,6 +48,24 @@ def direct_product(linear: nn.Module) -> Product | None:
     return None
 
 
+Parts = tuple[int, torch.Tensor, torch.Tensor]  # (kernel address, its two weight tensors)
+
+
+def product_parts(linear: nn.Module) -> Parts | None:
+    """An int4 / W8A8 linear's product as csrc/layer_stack.cpp calls it: the kernel's address in
+    its extension module and the packed weight's two tensors; None for other products (W8A16,
+    whose kernel takes a fourth argument, keeps the per-layer path)."""
+    from .quant import Int4Linear, Int8Linear
+
+    if getattr(linear, "bias", None) is not None or getattr(linear, "kernel", None) != "vnni":
+        return None
+    if isinstance(linear, Int4Linear) and hasattr(linear._vnni, "int4_gemm_address"):
+        return linear._vnni.int4_gemm_address(), linear.codes, linear.params
+    if isinstance(linear, Int8Linear) and hasattr(linear._vnni, "int8_gemm_address"):
+        return linear._vnni.int8_gemm_address(), linear.codes, linear.wscale
+    return None
+
+
 @dataclass(frozen=True)
 class DirectLayer:
     """What one decoder layer's direct path reads."""
@@ -62,6 +80,7 @@ class DirectLayer:
     n_heads: int
     n_kv: int
     head_dim: int
+    parts: tuple[Parts, Parts, Parts, Parts] | None = field(default=None, repr=False)  # for `layer_stack`
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer: int,
             mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -105,14 +124,60 @@ def plan_layer(layer: nn.Module) -> DirectLayer | None:
     if not all(isinstance(n, RMSNorm) and n.weight.dtype == torch.bfloat16 and n.eps == layer.mlp_norm.eps
                for n in norms) or layer.mlp_norm.weight.shape[0] % 16:
         return None
-    products = [direct_product(m) for m in (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down)]
+    linears = (attn.wqkv, attn.wo, mlp.w_gate_up, mlp.w_down)
+    products = [direct_product(m) for m in linears]
     if any(p is None for p in products):
         return None
+    parts = tuple(product_parts(m) for m in linears)
     return DirectLayer(
         attn_norm=None if isinstance(norm_in, nn.Identity) else norm_in.weight,
         mlp_norm=layer.mlp_norm.weight, eps=layer.mlp_norm.eps,
         qkv=products[0], out=products[1], gate_up=products[2], down=products[3],
-        n_heads=attn.n_heads, n_kv=attn.n_kv, head_dim=attn.hd)
+        n_heads=attn.n_heads, n_kv=attn.n_kv, head_dim=attn.hd,
+        parts=None if any(p is None for p in parts) else parts)
+
+
+def layer_stack(plans: list[DirectLayer | None]):
+    """The layers' plans as one csrc/layer_stack.cpp `LayerStack` (all of them run in one call), or
+    None where a layer has no plan or a product the stack cannot call, or the kernel is missing."""
+    ops = kernels.ops_kernel()
+    if ops is None or not hasattr(ops, "LayerStack") or any(p is None or p.parts is None for p in plans):
+        return None
+    stack = ops.LayerStack()
+    for p in plans:
+        (qf, qa, qb), (of, oa, ob), (gf, ga, gb), (df, da, db) = p.parts
+        stack.add(p.attn_norm, p.mlp_norm, p.eps, qf, qa, qb, of, oa, ob, gf, ga, gb, df, da, db, p.n_heads, p.n_kv)
+    return stack
+
+
+def run_stack(stack, plans: list[DirectLayer], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+              mask: torch.Tensor | None, hidden_layers: tuple[int, ...] = ()
+              ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+    """Every layer of `stack` over x [B, T, H] in one call (hidden states entering `hidden_layers`
+    kept, as the layer loop keeps them), or None, before anything is written, where a layer's
+    `DirectLayer.run` would decline: the same conditions, checked once for all layers.
+    mask: [T, S], [B, 1, T, S] or None, shared by every layer."""
+    b, t, h = x.shape
+    if t > attention.DECODE_ROWS or attention.DECODE_KERNEL != "exact":
+        return None
+    views = getattr(cache, "stack_views", None)
+    hd = plans[0].head_dim
+    got = None if views is None else views(cos, hd)
+    if got is None:
+        return None
+    k, v, slots, view = got
+    if mask is not None:
+        mask = (mask if mask.dim() == 2 else mask[:, 0]).expand(b, t, view)  # [B, T, S], as kernel_attention
+    amx = hd % 32 == 0 and kernels.attention_amx()
+    rows = x.reshape(b * t, h)
+    hidden: dict[int, torch.Tensor] = {}
+    first = 0
+    for stop in sorted(i for i in hidden_layers if 0 <= i < len(plans)) + [len(plans)]:
+        rows = stack.run(rows, b, t, cos, sin, k, v, slots, view, mask, hd ** -0.5, amx, first, stop)
+        if stop < len(plans):
+            hidden[stop] = rows.view(b, t, h)
+        first = stop
+    return rows.view(b, t, h), hidden
 
 
 def layer_modules(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -124,5 +189,7 @@ def layer_modules(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 
 # Whether decoder layers take the direct path where it applies (A/B scripts and the per-module
-# timings of scripts/step_breakdown.py turn it off).
+# timings of scripts/step_breakdown.py turn it off), and whether a model whose layers all have a
+# plan runs them as one `layer_stack` call (tests of the per-layer path and A/B scripts turn it off).
 DIRECT = True
+STACK = True

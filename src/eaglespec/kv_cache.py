@@ -176,6 +176,17 @@ class RowKVCache:
         q = ops.qkv_rope_write(qkv, cos, sin, k_layer, v_layer, self._slots, n_heads, n_kv)
         return q, k_view, v_view
 
+    def stack_views(self, cos: torch.Tensor, head_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """What csrc/layer_stack.cpp reads for the prepared forward: (k, v [L, B, n_kv, capacity,
+        hd], slots [B, T], view_len), or None where `write_rotated` would decline (it writes the
+        same way)."""
+        if not (self.k.dtype == cos.dtype == torch.bfloat16 and self.k.device.type == "cpu"
+                and head_dim % 32 == 0 and self.k.shape[-1] == head_dim and not torch.is_grad_enabled()):
+            return None
+        assert self._slots is not None, "call prepare() before a forward"
+        return self.k, self.v, self._slots, self._view
+
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values over the whole capacity ([B, n_kv, capacity, hd] each),
         then over the prepared view ([B, n_kv, view_len, hd] each). Views of every layer are made
@@ -210,6 +221,16 @@ class RowKVCache:
         never moves right and gathering before scattering handles overlaps). Entries j >= count
         are copied too (harmless: they land past the new committed length).
         """
+        if self.k.device.type == "cpu" and self.k.stride(3) == self.k.shape[4]:
+            ops = kernels.ops_kernel()
+            if ops is not None:  # one call; rows already in place copy nothing (csrc/pointwise.cpp)
+                ops.keep_rows(self.k, self.v, start, src)
+                self.lengths.copy_(start + count)
+                return
+        self.keep_indexed(start, src, count)
+
+    def keep_indexed(self, start: torch.Tensor, src: torch.Tensor, count: torch.Tensor) -> None:
+        """`keep` by torch's indexed copy (any device)."""
         b, d = src.shape
         rows = torch.arange(b, device=src.device)[:, None].expand(b, d)
         frm = start[:, None] + src  # [B, D]

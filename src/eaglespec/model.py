@@ -296,6 +296,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._stack: tuple[list, object] | None = None  # (the layers' plans, their direct.layer_stack)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -340,11 +341,15 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         hidden: dict[int, torch.Tensor] = {}
         with pinned_ops():  # one look at EAGLESPEC_KERNELS for the layers' ~160 ops, not one each
-            for i, layer in enumerate(self.layers):
-                if i in hidden_layers:
-                    hidden[i] = x
-                c, s = local if self.config.layer_window(i) else (cos, sin)
-                x = layer(x, c, s, cache, i, masks[i])
+            stacked = self._run_stack(x, cos, sin, cache, masks[0], hidden_layers)
+            if stacked is not None:
+                x, hidden = stacked
+            else:
+                for i, layer in enumerate(self.layers):
+                    if i in hidden_layers:
+                        hidden[i] = x
+                    c, s = local if self.config.layer_window(i) else (cos, sin)
+                    x = layer(x, c, s, cache, i, masks[i])
             cache.advance(t)
             feats = self.norm(x)
         if isinstance(logits_for, torch.Tensor):
@@ -358,6 +363,22 @@ class Transformer(nn.Module):
         else:
             raise ValueError(f"logits_for must be 'all', 'last', 'none' or an index tensor, got {logits_for!r}")
         return ModelOutput(logits=logits, features=feats, hidden=hidden)
+
+    def _run_stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, mask: torch.Tensor | None,
+                   hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+        """All layers in one C++ call (direct.layer_stack) where every layer has a direct plan the
+        stack can run and the model has no sliding windows (one mask and one RoPE for all layers);
+        else None and the layers run one by one. The same kernels in the same order: the same bits."""
+        if (not (direct.DIRECT and direct.STACK) or cache is None or not cpu_kernels_apply(x)
+                or self.config.sliding_window or self.rotary_local is not None):
+            return None
+        plans = [layer.direct_plan() for layer in self.layers]
+        if self._stack is None or any(a is not b for a, b in zip(self._stack[0], plans)):  # identity, not __eq__
+            self._stack = (plans, direct.layer_stack(plans))
+        stack = self._stack[1]
+        if stack is None:
+            return None
+        return direct.run_stack(stack, plans, x, cos, sin, cache, mask, hidden_layers)
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """LM head (with Gemma-style final soft-capping when configured)."""

@@ -11,8 +11,25 @@ import torch
 from .config import SamplingConfig
 
 
+def cpu_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor | None:
+    """softmax(logits / temperature) in fp32 by the CPU kernel (csrc/sampling.cpp), or None where
+    it does not take the call (another device, another dtype, no kernel). logits [B, ..., V],
+    temperature [B] fp32 > 0. Every temperature-only distribution on a CPU comes from here, so
+    plain sampling and speculative verification use the same bits; torch's softmax elsewhere."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.bfloat16, torch.float32) or logits.dim() < 2:
+        return None
+    from .kernels import ops_kernel
+
+    ops = ops_kernel()
+    return None if ops is None else ops.softmax_rows(logits, temperature)
+
+
 def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """logits [..., V] -> the sampling distribution [..., V] in fp32 (temperature > 0)."""
+    if not cfg.top_k and cfg.top_p >= 1.0:
+        p = cpu_softmax(logits.reshape(1, -1, logits.shape[-1]), torch.tensor([float(cfg.temperature)]))
+        if p is not None:
+            return p.view(logits.shape)
     x = logits.float() / cfg.temperature
     if cfg.top_k and cfg.top_k < x.shape[-1]:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]

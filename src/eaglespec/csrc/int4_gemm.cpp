@@ -155,4 +155,8 @@ torch::Tensor int4_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor para
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm, "row-invariant W4A8 GEMM: bf16 [M, K] x packed int4 [N, K] -> bf16 [M, N]");
+  // For csrc/layer_stack.cpp, which calls this product from another extension module (the same
+  // compiler and torch headers build both): the function's address, as an integer.
+  m.def("int4_gemm_address", [] { return reinterpret_cast<uintptr_t>(&int4_gemm); },
+        "address of int4_gemm: torch::Tensor (*)(torch::Tensor x, torch::Tensor, torch::Tensor)");
 }

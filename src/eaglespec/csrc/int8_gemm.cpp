@@ -130,4 +130,8 @@ torch::Tensor int8_gemm(torch::Tensor x, torch::Tensor codes, torch::Tensor wsca
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "row-invariant W8A8 GEMM: bf16 [M, K] x packed int8 [N, K] -> bf16 [M, N]");
+  // For csrc/layer_stack.cpp, which calls this product from another extension module (the same
+  // compiler and torch headers build both): the function's address, as an integer.
+  m.def("int8_gemm_address", [] { return reinterpret_cast<uintptr_t>(&int8_gemm); },
+        "address of int8_gemm: torch::Tensor (*)(torch::Tensor x, torch::Tensor, torch::Tensor)");
 }

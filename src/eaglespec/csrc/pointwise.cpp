@@ -3,6 +3,7 @@
 // arithmetic (measured on a 16-node tree: silu 17 us and the multiply 7 us per layer; the argmax
 // over 16 x 49,152 logits 0.7 ms). Each row is computed on its own, so results are row-invariant.
 
+#include "acceptance.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -96,6 +97,105 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     }
   });
   return out;
+}
+
+// Greedy verification of B draft trees (spec/verify.py's verify_greedy, which stays the reference
+// and the path off the CPU): logits [B, N, V] bf16 or fp32 at every node, tokens / parents [B, N]
+// int64 (root -1, parents before children), valid [B, N] bool, width = max_depth + 1 ->
+// (path [B, width], count [B], emitted [B, width], bonus [B]), all int64, as verify_greedy gives.
+// Each row walks down from the root: the accepted child of a node is its first valid child (in
+// node order) whose token is the node's argmax, so only the argmax of accepted nodes is taken.
+// The ~25 torch ops of verify_greedy took 0.6 ms per step on a 2-core EPYC for any tree size.
+std::vector<torch::Tensor> verify_greedy_rows(torch::Tensor logits, torch::Tensor tokens, torch::Tensor parents,
+                                              torch::Tensor valid, int64_t width) {
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat,
+              "verify_greedy_rows: bf16 or fp32 logits");
+  TORCH_CHECK(logits.dim() == 3 && logits.size(2) > 0, "verify_greedy_rows: logits [B, N, V]");
+  const int64_t B = logits.size(0), N = logits.size(1), V = logits.size(2);
+  TORCH_CHECK(tokens.sizes() == parents.sizes() && tokens.sizes() == valid.sizes() && tokens.dim() == 2 &&
+                  tokens.size(0) == B && tokens.size(1) == N,
+              "verify_greedy_rows: tokens, parents, valid [B, N]");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && parents.scalar_type() == at::kLong &&
+                  valid.scalar_type() == at::kBool && width >= 1,
+              "verify_greedy_rows: int64 tokens and parents, bool valid, width >= 1");
+  logits = logits.contiguous();
+  tokens = tokens.contiguous();
+  parents = parents.contiguous();
+  valid = valid.contiguous();
+  RowAcceptance out(B, width, tokens.options());
+  const int64_t *tp = tokens.data_ptr<int64_t>(), *pp = parents.data_ptr<int64_t>();
+  const bool* vp = valid.data_ptr<bool>();
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  const void* lp = logits.data_ptr();
+  auto pred = [&](int64_t row) {  // row = b * N + node
+    return bf16 ? argmax_row(static_cast<const c10::BFloat16*>(lp) + row * V, V)
+                : argmax_row(static_cast<const float*>(lp) + row * V, V);
+  };
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t *tok = tp + b * N, *par = pp + b * N;
+    const bool* ok = vp + b * N;
+    int64_t* p = out.path_row(b);
+    int64_t node = 0, depth = 0, top = pred(b * N);
+    p[0] = 0;
+    while (depth + 1 < width) {
+      int64_t next = -1;
+      for (int64_t c = node + 1; c < N; ++c) {
+        if (par[c] == node && ok[c] && tok[c] == top) {
+          next = c;
+          break;
+        }
+      }
+      if (next < 0) break;
+      node = next;
+      p[++depth] = node;
+      top = pred(b * N + node);
+    }
+    out.finish(b, depth, node, top, tok);
+  }
+  return out.tensors();
+}
+
+// Keep the accepted path in a row KV cache (kv_cache.RowKVCache.keep): k, v [L, B, H, S, D]
+// (bf16 or fp32, S and D contiguous), per row b copy slots start[b] + src[b, j] to start[b] + j
+// for every j < src.size(1), all reads before any write (as torch's indexed copy does). A row whose
+// path is already in place (vanilla's one-node path) copies nothing. torch's advanced-indexing
+// copy cost 0.2-0.3 ms per step.
+void keep_rows(torch::Tensor k, torch::Tensor v, torch::Tensor start, torch::Tensor src) {
+  TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
+                  k.scalar_type() == v.scalar_type() && k.stride(4) == 1 && k.stride(3) == k.size(4),
+              "keep_rows: k, v [L, B, H, S, D] alike, with S and D contiguous");
+  TORCH_CHECK(src.dim() == 2 && src.size(0) == k.size(1) && start.dim() == 1 && start.size(0) == k.size(1) &&
+                  src.scalar_type() == at::kLong && start.scalar_type() == at::kLong,
+              "keep_rows: int64 start [B] and src [B, W]");
+  src = src.contiguous();
+  start = start.contiguous();
+  const int64_t L = k.size(0), B = k.size(1), H = k.size(2), S = k.size(3), W = src.size(1);
+  const int64_t bytes = k.size(4) * k.element_size();
+  const int64_t* sp = src.data_ptr<int64_t>();
+  const int64_t* st = start.data_ptr<int64_t>();
+  std::vector<char> held(W * bytes);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t* from = sp + b * W;
+    bool moves = false;
+    for (int64_t j = 0; j < W; ++j) {
+      TORCH_CHECK(st[b] >= 0 && st[b] + from[j] >= 0 && st[b] + from[j] < S && st[b] + j < S,
+                  "keep_rows: a slot past the cache");
+      moves |= from[j] != j;
+    }
+    if (!moves) continue;
+    for (torch::Tensor* t : {&k, &v}) {
+      char* base = static_cast<char*>(t->data_ptr());
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t h = 0; h < H; ++h) {
+          char* row = base + (l * t->stride(0) + b * t->stride(1) + h * t->stride(2)) * t->element_size() +
+                      st[b] * bytes;
+          for (int64_t j = 0; j < W; ++j) std::memcpy(held.data() + j * bytes, row + from[j] * bytes, bytes);
+          for (int64_t j = 0; j < W; ++j)
+            if (from[j] != j) std::memcpy(row + j * bytes, held.data() + j * bytes, bytes);
+        }
+      }
+    }
+  }
 }
 
 // The k largest log-probabilities of each row of logits: x [..., V] bf16 or fp32 ->

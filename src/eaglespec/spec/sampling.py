@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingConfig
+from ..sampling import cpu_softmax
 
 
 @dataclass
@@ -51,9 +52,16 @@ def row_probabilities(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
     """logits [B, ..., V] -> fp32 sampling distributions [B, ..., V] under each row's settings.
 
     Greedy rows (temperature 0) come out as temperature 1: callers use argmax for them.
+    Temperature-only rows on a CPU: one kernel call (sampling.cpu_softmax), the bits every CPU
+    sampling path draws from.
     """
+    temp = torch.where(s.temperature > 0, s.temperature, 1.0)
+    if not (s.any_top_k or s.any_top_p):
+        p = cpu_softmax(logits, temp)
+        if p is not None:
+            return p
     shape = (-1,) + (1,) * (logits.dim() - 1)
-    temp = torch.where(s.temperature > 0, s.temperature, 1.0).view(shape)
+    temp = temp.view(shape)
     x = logits.float() / temp
     if s.any_top_k or s.any_top_p:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
