@@ -89,7 +89,10 @@ void bind_layer_stack(py::module_& m) {
            py::arg("gate_up_fn"), py::arg("gate_up_a"), py::arg("gate_up_b"), py::arg("down_fn"),
            py::arg("down_a"), py::arg("down_b"), py::arg("nh"), py::arg("nkv"))
       .def("__len__", &LayerStack::size)
+      // A forward's worth of kernels without the GIL: other Python threads (the server's event
+      // loop) run meanwhile, as they could between the per-layer path's calls. Only C++ and the
+      // caller's tensors are touched inside.
       .def("run", &LayerStack::run, py::arg("x"), py::arg("b"), py::arg("t"), py::arg("cos"), py::arg("sin"),
            py::arg("k"), py::arg("v"), py::arg("slots"), py::arg("view"), py::arg("mask"), py::arg("scale"),
-           py::arg("amx"), py::arg("first"), py::arg("last"));
+           py::arg("amx"), py::arg("first"), py::arg("last"), py::call_guard<py::gil_scoped_release>());
 }
