@@ -192,12 +192,19 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     mod = kernels.ops_kernel()
     if mod is None:
         return None
-    b, _, t, _ = q.shape
-    s = k.shape[2]
+    b, _, t, hd = q.shape
+    return mod.decode_attention(q, k, v, *kernel_attention_args(mask, b, t, k.shape[2], hd))
+
+
+def kernel_attention_args(mask: torch.Tensor | None, b: int, t: int, s: int, head_dim: int
+                          ) -> tuple[torch.Tensor | None, float, bool]:
+    """The decode attention kernel's (mask [B, T, S] as a view, scale, amx) for a call of B x T
+    queries over S keys, from a mask of [T, S] or [B, 1, T, S] (or None). Shared by
+    `kernel_attention` and csrc/layer_stack.cpp's caller (direct.run_stack)."""
     if mask is not None:
-        mask = (mask if mask.dim() == 2 else mask[:, 0]).expand(b, t, s)  # [B, T, S], a view
-    amx = q.shape[-1] % 32 == 0 and kernels.attention_amx()  # tiles where they fit (a head_dim fixes the path for good)
-    return mod.decode_attention(q, k, v, mask, q.shape[-1] ** -0.5, amx)
+        mask = (mask if mask.dim() == 2 else mask[:, 0]).expand(b, t, s)
+    amx = head_dim % 32 == 0 and kernels.attention_amx()  # tiles where they fit (a head_dim fixes the path for good)
+    return mask, head_dim ** -0.5, amx
 
 
 # Which kernel decode-shaped calls take: "exact" (ours, else grouped_attention), "torch-exact"

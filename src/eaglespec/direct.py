@@ -166,14 +166,12 @@ def run_stack(stack, plans: list[DirectLayer], x: torch.Tensor, cos: torch.Tenso
     if got is None:
         return None
     k, v, slots, view = got
-    if mask is not None:
-        mask = (mask if mask.dim() == 2 else mask[:, 0]).expand(b, t, view)  # [B, T, S], as kernel_attention
-    amx = hd % 32 == 0 and kernels.attention_amx()
+    mask, scale, amx = attention.kernel_attention_args(mask, b, t, view, hd)
     rows = x.reshape(b * t, h)
     hidden: dict[int, torch.Tensor] = {}
     first = 0
     for stop in sorted(i for i in hidden_layers if 0 <= i < len(plans)) + [len(plans)]:
-        rows = stack.run(rows, b, t, cos, sin, k, v, slots, view, mask, hd ** -0.5, amx, first, stop)
+        rows = stack.run(rows, b, t, cos, sin, k, v, slots, view, mask, scale, amx, first, stop)
         if stop < len(plans):
             hidden[stop] = rows.view(b, t, h)
         first = stop

@@ -164,9 +164,8 @@ class RowKVCache:
         T, hd], the k and v views `write` returns), or None where the kernel does not take the call
         (not bf16 on a CPU, autograd on, head_dim not a multiple of 32, no kernel): then the caller
         runs the separate steps."""
-        hd = self.k.shape[-1]
-        if not (qkv.dtype == self.k.dtype == cos.dtype == torch.bfloat16 and qkv.device.type == "cpu"
-                and hd % 32 == 0 and not torch.is_grad_enabled() and qkv.stride(-1) == 1):
+        if not (self._rotated_write_ok(cos) and qkv.dtype == torch.bfloat16 and qkv.device.type == "cpu"
+                and qkv.stride(-1) == 1):
             return None
         ops = kernels.ops_kernel()
         if ops is None:
@@ -176,13 +175,18 @@ class RowKVCache:
         q = ops.qkv_rope_write(qkv, cos, sin, k_layer, v_layer, self._slots, n_heads, n_kv)
         return q, k_view, v_view
 
+    def _rotated_write_ok(self, cos: torch.Tensor) -> bool:
+        """Whether csrc/norm_rope.cpp's fused write takes this cache's writes: bf16 on a CPU, whole
+        32-wide halves of head_dim, no autograd."""
+        return (self.k.dtype == cos.dtype == torch.bfloat16 and self.k.device.type == "cpu"
+                and self.k.shape[-1] % 32 == 0 and not torch.is_grad_enabled())
+
     def stack_views(self, cos: torch.Tensor, head_dim: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
         """What csrc/layer_stack.cpp reads for the prepared forward: (k, v [L, B, n_kv, capacity,
         hd], slots [B, T], view_len), or None where `write_rotated` would decline (it writes the
         same way)."""
-        if not (self.k.dtype == cos.dtype == torch.bfloat16 and self.k.device.type == "cpu"
-                and head_dim % 32 == 0 and self.k.shape[-1] == head_dim and not torch.is_grad_enabled()):
+        if not (self._rotated_write_ok(cos) and self.k.shape[-1] == head_dim):
             return None
         assert self._slots is not None, "call prepare() before a forward"
         return self.k, self.v, self._slots, self._view

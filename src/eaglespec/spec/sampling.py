@@ -47,6 +47,11 @@ class RowSampling:
         """[B] bool."""
         return self.temperature == 0
 
+    @property
+    def sampling_temperature(self) -> torch.Tensor:
+        """[B] fp32: the temperature distributions are taken at (greedy rows as 1)."""
+        return torch.where(self.temperature > 0, self.temperature, 1.0)
+
 
 def row_probabilities(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
     """logits [B, ..., V] -> fp32 sampling distributions [B, ..., V] under each row's settings.
@@ -55,7 +60,7 @@ def row_probabilities(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
     Temperature-only rows on a CPU: one kernel call (sampling.cpu_softmax), the bits every CPU
     sampling path draws from.
     """
-    temp = torch.where(s.temperature > 0, s.temperature, 1.0)
+    temp = s.sampling_temperature
     if not (s.any_top_k or s.any_top_p):
         p = cpu_softmax(logits, temp)
         if p is not None:

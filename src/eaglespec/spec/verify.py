@@ -120,9 +120,8 @@ def verify_sampling(tree: BatchTree, logits: torch.Tensor, sampling: RowSampling
         if ops is not None:  # temperature-only rows: each row walked in one call (csrc/sampling.cpp)
             nodes = torch.arange(n, device=dev).expand(b, n)
             q = None if tree.draft_probs is None else tree.draft_probs.float()
-            temperature = torch.where(sampling.temperature > 0, sampling.temperature, 1.0)
             out = ops.verify_sampling_rows(
-                logits, tree.tokens, tree.parents, tree.valid, temperature, q,
+                logits, tree.tokens, tree.parents, tree.valid, sampling.sampling_temperature, q,
                 uniforms(sampling.seed, step, nodes, ACCEPT), uniforms(sampling.seed, step, nodes, BONUS),
                 tree.max_depth + 1, k_max)
             return BatchAcceptance(*out)
