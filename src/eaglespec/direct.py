@@ -51,13 +51,14 @@ def direct_product(linear: nn.Module) -> Product | None:
 Parts = tuple[int, torch.Tensor, torch.Tensor]  # (kernel address, its two weight tensors)
 
 
-def product_parts(linear: nn.Module) -> Parts | None:
+def product_parts(linear: nn.Module, with_bias: bool = False) -> Parts | None:
     """An int4 / W8A8 linear's product as csrc/layer_stack.cpp calls it: the kernel's address in
     its extension module and the packed weight's two tensors; None for other products (W8A16,
-    whose kernel takes a fourth argument, keeps the per-layer path)."""
+    whose kernel takes a fourth argument, keeps the per-layer path). with_bias: also for a linear
+    with a bias (the caller adds it); else None for those."""
     from .quant import Int4Linear, Int8Linear
 
-    if getattr(linear, "bias", None) is not None or getattr(linear, "kernel", None) != "vnni":
+    if (getattr(linear, "bias", None) is not None and not with_bias) or getattr(linear, "kernel", None) != "vnni":
         return None
     if isinstance(linear, Int4Linear) and hasattr(linear._vnni, "int4_gemm_address"):
         return linear._vnni.int4_gemm_address(), linear.codes, linear.params

@@ -536,7 +536,7 @@ class Drafter:
                     cand_par.append(i)
                     cand_val.append(float(total[j * k + r]))
                     cand_dep.append(d + 1)
-            best = torch.topk(total, k).indices.tolist()
+            best = torch.argsort(total, descending=True, stable=True)[:k].tolist()  # ties: the earlier child
             frontier = [base + b for b in best]
             frontier_hidden = torch.stack([out[b // k] for b in best])
         keep = rerank(torch.tensor(cand_val), torch.tensor(cand_par), torch.tensor(cand_dep), max_nodes - 1).tolist()

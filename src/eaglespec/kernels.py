@@ -36,7 +36,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = {"int4": [CSRC / "int4_gemm.cpp"], "int8": [CSRC / "int8_gemm.cpp"],
            "int8a16": [CSRC / "int8_a16_gemm.cpp"]}  # each includes common.h
 OPS_SOURCES = [CSRC / "ops.cpp", CSRC / "attention.cpp", CSRC / "attention_amx.cpp", CSRC / "norm_rope.cpp",
-               CSRC / "pointwise.cpp", CSRC / "sampling.cpp", CSRC / "layer_stack.cpp"]
+               CSRC / "pointwise.cpp", CSRC / "sampling.cpp", CSRC / "layer_stack.cpp",
+               CSRC / "draft_runner.cpp"]
 # Only the ISA the kernels need: not -march=native, so one build serves any CPU that has these.
 # -ffp-contract=off: no fused multiply-adds, so the fp32 steps are the ones the tests reproduce.
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off"]

@@ -137,11 +137,15 @@ class RowKVCache:
     def prepare(self, slots: torch.Tensor, view_len: int) -> None:
         """The next forward writes new entry t of row b at slot slots[b, t] ([B, T]) and attends
         over slots [0, view_len)."""
+        self.check_view(view_len)
+        self._slots, self._view, self._views = slots, view_len, None
+        self._rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+
+    def check_view(self, view_len: int) -> None:
+        """Refuse a forward that would attend over more slots than the cache holds."""
         if view_len > self.capacity:
             raise ValueError(f"KV cache overflow: {view_len} slots asked of a cache of {self.capacity}; "
                              "allocate a larger cache (max_new_tokens / context)")
-        self._slots, self._view, self._views = slots, view_len, None
-        self._rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter k, v ([B, n_kv, T, hd]) into the prepared slots; return [B, n_kv, view_len, hd] views."""

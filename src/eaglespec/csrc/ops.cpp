@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uniforms_rows", &uniforms_rows, "counter-based uniforms: spec.rng.uniforms", py::arg("seed"), py::arg("step"),
         py::arg("node"), py::arg("purpose"));
   bind_layer_stack(m);
+  bind_draft_runner(m);
   m.def("verify_sampling_rows", &verify_sampling_rows,
         "speculative sampling over B draft trees of temperature-only rows: (path, count, emitted, bonus)",
         py::arg("logits"), py::arg("tokens"), py::arg("parents"), py::arg("valid"), py::arg("temperature"),

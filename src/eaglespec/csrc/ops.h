@@ -22,6 +22,7 @@ std::vector<torch::Tensor> verify_sampling_rows(torch::Tensor logits, torch::Ten
                                                 c10::optional<torch::Tensor> draft_probs, torch::Tensor u_accept,
                                                 torch::Tensor u_bonus, int64_t width, int64_t k_max);
 void bind_layer_stack(py::module_& m);  // layer_stack.cpp
+void bind_draft_runner(py::module_& m);  // draft_runner.cpp
 namespace eaglespec {
 bool attention_amx_ready();  // attention_amx.cpp
 }

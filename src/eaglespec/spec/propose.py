@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import attention, direct
 from ..config import TreeConfig
-from ..draft import Head
+from ..draft import DraftHead, Head
 from ..kernels import ops_kernel
 from ..kv_cache import RowKVCache, row_attention_mask
 from ..model import Transformer
@@ -101,6 +102,7 @@ class Proposer:
         vocab = self._lm.shape[0]
         dev = head.fc.weight.device
         self._draft_ids = head.to_target_ids(torch.arange(vocab, device=dev))  # [Vd] target id of each LM row
+        self._native = native_runner(self.head, target, self._lm_head, self._draft_ids)
         if self.method == "eagle2":
             self.k = min(tree_cfg.top_k, vocab)
             pool = self.k + (tree_cfg.depth - 1) * self.k * self.k  # candidates a full expansion makes
@@ -164,6 +166,11 @@ class Proposer:
         committed + count and returns root_hidden [B, H], the head's output at j = count - 1.
         """
         b, t = tokens.shape
+        native = self._native_args(cache, t, view_len)
+        if native is not None:  # one C++ call (csrc/draft_runner.cpp): the same kernels, the same bits
+            out = self._native.commit(cache.k, cache.v, committed, tokens, features, count, view_len, *native)
+            cache.lengths.copy_(committed + count)
+            return out
         steps = torch.arange(t, device=tokens.device)
         slots = committed[:, None] + steps  # [B, T] slot = position
         causal = (steps[:, None] >= steps[None, :]).expand(b, t, t)
@@ -195,13 +202,34 @@ class Proposer:
             parents = torch.arange(-1, n - 1, device=tokens.device).expand(b, n)
             depth, ancestors = ancestors_from_parents(parents, self.max_depth)
         elif self.method == "eagle2":
-            tokens, parents = self._dynamic(cache, root_token, root_hidden, view_len)
-            depth, ancestors = ancestors_from_parents(parents, self.max_depth)
+            native = self._native_args(cache, self.k, view_len)
+            if native is not None:  # one C++ call (csrc/draft_runner.cpp): `_dynamic`'s trees, bit for bit
+                tokens, parents, depth, ancestors = self._native.propose(
+                    cache.k, cache.v, cache.lengths, root_token, root_hidden, self.k, self.max_depth, n, view_len,
+                    *native)
+            else:
+                tokens, parents = self._dynamic(cache, root_token, root_hidden, view_len)
+                depth, ancestors = ancestors_from_parents(parents, self.max_depth)
         else:
             tokens = self._static(cache, root_token, root_hidden, view_len)
             parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in self._tree)
         valid = torch.arange(n, device=tokens.device)[None] < room[:, None]
         return BatchTree(tokens, parents, depth, ancestors, valid, self.max_depth, probs)
+
+    def _native_args(self, cache: RowKVCache, rows: int, view_len: int) -> tuple[float, bool] | None:
+        """The attention's (scale, amx) where the draft runner takes a head forward of `rows` nodes
+        per row over this cache, else None (the torch-op path below runs)."""
+        runner = self._native
+        k = cache.k
+        if (runner is None or not NATIVE or not direct.DIRECT or attention.DECODE_KERNEL != "exact"
+                or rows > attention.DECODE_ROWS or torch.is_grad_enabled() or k.dtype != torch.bfloat16
+                or k.device.type != "cpu" or k.shape[-1] % 32):  # (RowKVCache.write_rotated's conditions)
+            return None
+        cache.check_view(view_len)
+        if runner.rotary_positions() < cache.capacity:  # RoPE tables up to the cache's last slot
+            cos, sin = self.head.rotary(torch.arange(cache.capacity, device=k.device)[None], k.dtype)
+            runner.set_rotary(cos[0, 0], sin[0, 0])
+        return attention.kernel_attention_args(None, k.shape[1], rows, view_len, k.shape[-1])[1:]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] head outputs -> [..., Vd] fp32 draft logits."""
@@ -305,7 +333,9 @@ class Proposer:
             vals.append(total)
             toks.append(c_tok.flatten(1))
             pars.append(f_id[:, :, None].expand(b, k, k).flatten(1))
-            f_val, best = total.topk(k, dim=1)  # [B, K] next frontier, as indices into the K*K children
+            # [B, K] next frontier, as indices into the K*K children; ties to the earlier child
+            best = total.argsort(dim=1, descending=True, stable=True)[:, :k]
+            f_val = total.gather(1, best)
             src = best // k  # [B, K] their parents' frontier index
             f_id, f_tok = base + best, toks[-1].gather(1, best)
             f_hid = out.gather(1, src[:, :, None].expand(b, k, out.shape[-1]))
@@ -321,3 +351,28 @@ class Proposer:
         tokens = torch.cat((root_token[:, None], torch.cat(toks, dim=1).gather(1, keep)), dim=1)
         parents = torch.cat((torch.full((b, 1), -1, dtype=torch.long, device=dev), parents), dim=1)
         return tokens, parents
+
+
+def native_runner(head: Head, target: Transformer, lm_head, draft_ids: torch.Tensor):
+    """csrc/draft_runner.cpp's DraftRunner for this head, or None where it does not apply: it runs
+    a one-layer EAGLE-1/2 head on a CPU in bf16 whose fc, layer and LM-head products are all int8
+    (W8A8) kernels the layer stack can call (`int8=True` drafting), beside the target's bf16
+    embedding table. EAGLE-3 heads, deeper heads, other products and devices keep the torch ops."""
+    ops = ops_kernel()
+    embed = target.embed.weight
+    if (ops is None or not hasattr(ops, "DraftRunner") or not isinstance(head, DraftHead) or len(head.more)
+            or head.fc.weight.dtype != torch.bfloat16 or head.fc.weight.device.type != "cpu"
+            or embed.dtype != torch.bfloat16 or embed.device.type != "cpu"):
+        return None
+    layer = direct.layer_stack([head.layer.direct_plan()]) if head.layer.direct_plan() is not None else None
+    fc = direct.product_parts(head.fc, with_bias=True)
+    lm = direct.product_parts(lm_head) if isinstance(lm_head, torch.nn.Module) else None
+    if layer is None or fc is None or lm is None:
+        return None
+    ids = None if head.vocab is None else draft_ids.contiguous()
+    return ops.DraftRunner(embed.contiguous(), *fc, head.fc.bias, layer, *lm, ids)
+
+
+# Whether drafting takes csrc/draft_runner.cpp where it applies (tests of the torch-op path and A/B
+# scripts turn it off).
+NATIVE = True

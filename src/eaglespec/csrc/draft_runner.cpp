@@ -1,0 +1,261 @@
+// EAGLE-2 drafting with a one-layer EAGLE-1/2 head on a CPU, as one call per phase of a step:
+// `commit` (accepted pairs into the head's KV cache) and `propose` (a dynamic tree for every row).
+//
+// Why: spec/propose.py's Proposer runs a drafting depth as ~60 torch ops (masks, gathers, the
+// frontier's top-k, the rerank's sorts) around six kernel calls. On a 2-core EPYC a (3, 2, 1) step
+// spent ~4.6 ms drafting and committing, of which ~1.2 ms were the int8 products: the rest was op
+// and Python overhead. Here the same kernels (the int8 products, topk_logprobs, the layer through
+// LayerStack) get the same inputs in the same order, and the tree bookkeeping is plain loops over
+// a few dozen numbers per row, so the trees are Proposer's, bit for bit (tests/test_draft_runner.py).
+//
+// Layouts are Proposer's (spec/propose.py): the head's cache holds the committed pairs at slots
+// [0, committed[b]); a depth-d frontier node j runs at scratch slot committed[b] + (d - 1) K + j,
+// position committed[b] + d - 1, and attends to the committed slots, its ancestors' scratch slots
+// and its own. The frontier of the next depth is the K best children by summed log-probability,
+// ties to the earlier child (a stable order, which Proposer and Drafter use too).
+
+#include "layer_stack.h"
+#include "ops.h"
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+// The K best of vals[0..n) by value, descending; equal values keep their index order.
+std::vector<int64_t> stable_best(const float* vals, int64_t n, int64_t k) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return vals[a] > vals[b]; });
+  order.resize(std::min(k, n));
+  return order;
+}
+
+}  // namespace
+
+class DraftRunner {
+ public:
+  // embed [V, H] bf16: the target's token embedding; fc: the head's fusing product (int8, [2H] ->
+  // [H]) and its bias or None; layer: a one-layer LayerStack of the head's decoder layer; lm: the
+  // draft-vocabulary LM head's product ([H] -> [Vd]); draft_ids [Vd] long: the target id of each
+  // LM row, or None for the full vocabulary.
+  DraftRunner(torch::Tensor embed, uintptr_t fc_fn, torch::Tensor fc_a, torch::Tensor fc_b,
+              c10::optional<torch::Tensor> fc_bias, const LayerStack& layer, uintptr_t lm_fn, torch::Tensor lm_a,
+              torch::Tensor lm_b, c10::optional<torch::Tensor> draft_ids)
+      : embed_(std::move(embed)),
+        fc_(layer_stack::product(fc_fn, std::move(fc_a), std::move(fc_b))),
+        fc_bias_(std::move(fc_bias)),
+        layer_(layer),
+        lm_(layer_stack::product(lm_fn, std::move(lm_a), std::move(lm_b))),
+        draft_ids_(std::move(draft_ids)) {
+    TORCH_CHECK(layer_.size() == 1, "DraftRunner: a one-layer head");
+    TORCH_CHECK(embed_.dim() == 2 && embed_.scalar_type() == at::kBFloat16, "DraftRunner: embed [V, H] bf16");
+  }
+
+  // The head's RoPE tables for positions [0, P): cos, sin [P, hd] bf16 (Rotary's values, so the
+  // same bits as computing them per call).
+  void set_rotary(torch::Tensor cos, torch::Tensor sin) {
+    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes(), "DraftRunner.set_rotary: cos, sin [P, hd]");
+    cos_ = cos.contiguous(), sin_ = sin.contiguous();
+  }
+
+  int64_t rotary_positions() const { return cos_.defined() ? cos_.size(0) : 0; }
+
+  // Proposer.commit: pairs (tokens[b, j], features[b, j]) at slots committed[b] + j over the cache
+  // k, v [1, B, nkv, capacity, hd], attending over slots [0, view). Returns the head's output at
+  // j = count[b] - 1: [B, H]. (The caller moves the cache's lengths.)
+  torch::Tensor commit(torch::Tensor k, torch::Tensor v, torch::Tensor committed, torch::Tensor tokens,
+                       torch::Tensor features, torch::Tensor count, int64_t view, double scale, bool amx) const {
+    const int64_t b = tokens.size(0), t = tokens.size(1), h = embed_.size(1);
+    const auto c = committed.contiguous();
+    const int64_t* cp = c.data_ptr<int64_t>();
+    auto slots = torch::empty({b, t}, c.options());
+    auto mask = torch::empty({b, t, view}, c.options().dtype(at::kBool));
+    int64_t* sp = slots.data_ptr<int64_t>();
+    bool* mp = mask.data_ptr<bool>();
+    for (int64_t r = 0; r < b; ++r) {
+      TORCH_CHECK(cp[r] >= 0 && cp[r] + t <= view, "DraftRunner.commit: the new pairs must lie inside the view");
+      for (int64_t i = 0; i < t; ++i) {
+        sp[r * t + i] = cp[r] + i;
+        bool* row = mp + (r * t + i) * view;
+        for (int64_t col = 0; col < view; ++col) row[col] = col <= cp[r] + i;  // committed, or causal in the block
+      }
+    }
+    const auto hidden = features.to(at::kBFloat16).reshape({b * t, h});
+    const auto out = forward(tokens, hidden, slots, slots, mask, k, v, view, scale, amx);  // [B*T, H]
+    const auto cnt = count.contiguous();
+    auto last = torch::empty({b}, c.options());
+    for (int64_t r = 0; r < b; ++r) {
+      last.data_ptr<int64_t>()[r] = r * t + std::max<int64_t>(cnt.data_ptr<int64_t>()[r] - 1, 0);
+    }
+    return out.index_select(0, last);
+  }
+
+  // Proposer._dynamic for every row, then the tree's depths and ancestor sets: (tokens, parents,
+  // depth [B, N] long, ancestors [B, N, N] bool) below root_token [B] with root_hidden [B, H]; K =
+  // top_k, `depth` = max_depth, N = budget. The cache as in `commit`; committed [B] its lengths.
+  std::vector<torch::Tensor> propose(torch::Tensor k, torch::Tensor v, torch::Tensor committed, torch::Tensor root_token,
+                                     torch::Tensor root_hidden, int64_t top_k, int64_t depth, int64_t budget,
+                                     int64_t view, double scale, bool amx) const {
+    const int64_t b = root_token.size(0), K = top_k, S = (depth - 1) * K;
+    const auto c = committed.contiguous();
+    const int64_t* cp = c.data_ptr<int64_t>();
+    const auto opts = c.options();
+    // The candidate pool of each row, in creation order (Proposer's pool ids minus one).
+    std::vector<std::vector<float>> val(b);
+    std::vector<std::vector<int64_t>> tok(b), par(b);
+    // The frontier: pool ids, summed log-probabilities, tokens, ancestor-or-self scratch slots.
+    std::vector<int64_t> f_id(b * K), f_tok(b * K);
+    std::vector<float> f_val(b * K);
+    std::vector<uint8_t> f_anc(b * K * std::max<int64_t>(S, 1), 0);
+    {
+      const auto top = topk_logprobs(lm_(root_hidden.contiguous()), K);  // [B, K] each
+      const float* tv = top[0].data_ptr<float>();
+      const int64_t* ti = top[1].data_ptr<int64_t>();
+      for (int64_t r = 0; r < b; ++r) {
+        for (int64_t j = 0; j < K; ++j) {
+          val[r].push_back(tv[r * K + j]);
+          tok[r].push_back(target_id(ti[r * K + j]));
+          par[r].push_back(0);
+          f_id[r * K + j] = j + 1, f_val[r * K + j] = tv[r * K + j], f_tok[r * K + j] = tok[r].back();
+        }
+      }
+    }
+    // [B*K, H] the frontier's parents' outputs: the root's for depth 1.
+    torch::Tensor f_hidden = root_hidden.contiguous().repeat_interleave(K, 0);
+    std::vector<float> total(K * K);
+    for (int64_t d = 1; d < depth; ++d) {
+      const int64_t first = (d - 1) * K, base = 1 + K + (d - 1) * K * K;
+      auto tokens = torch::empty({b, K}, opts), pos = torch::empty({b, K}, opts), slots = torch::empty({b, K}, opts);
+      auto mask = torch::empty({b, K, view}, opts.dtype(at::kBool));
+      bool* mp = mask.data_ptr<bool>();
+      for (int64_t r = 0; r < b; ++r) {
+        TORCH_CHECK(cp[r] >= 0 && cp[r] + S <= view, "DraftRunner.propose: the scratch slots must lie inside the view");
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t n = r * K + j;
+          uint8_t* anc = f_anc.data() + n * S;
+          anc[first + j] = 1;  // | own slot
+          tokens.data_ptr<int64_t>()[n] = f_tok[n];
+          pos.data_ptr<int64_t>()[n] = cp[r] + d - 1;
+          slots.data_ptr<int64_t>()[n] = cp[r] + first + j;
+          bool* row = mp + n * view;
+          for (int64_t col = 0; col < view; ++col) {
+            const int64_t rel = col - cp[r];
+            row[col] = rel < 0 || (rel < S && anc[rel]);
+          }
+        }
+      }
+      const auto out = forward(tokens, f_hidden, pos, slots, mask, k, v, view, scale, amx);  // [B*K, H]
+      const auto top = topk_logprobs(lm_(out), K);  // [B*K, K] each: the children of each frontier node
+      const float* tv = top[0].data_ptr<float>();
+      const int64_t* ti = top[1].data_ptr<int64_t>();
+      auto src = torch::empty({b * K}, opts);  // next frontier's parents, as rows of `out`
+      std::vector<int64_t> n_id(b * K), n_tok(b * K);
+      std::vector<float> n_val(b * K);
+      std::vector<uint8_t> n_anc(f_anc.size());
+      for (int64_t r = 0; r < b; ++r) {
+        const int64_t pool = static_cast<int64_t>(tok[r].size());  // this depth's first child, minus one
+        for (int64_t j = 0; j < K; ++j) {
+          for (int64_t i = 0; i < K; ++i) {
+            const int64_t row = (r * K + j) * K + i;
+            total[j * K + i] = f_val[r * K + j] + tv[row];
+            val[r].push_back(total[j * K + i]);
+            tok[r].push_back(target_id(ti[row]));
+            par[r].push_back(f_id[r * K + j]);
+          }
+        }
+        const auto best = stable_best(total.data(), K * K, K);
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t n = r * K + j, parent = r * K + best[j] / K;
+          n_id[n] = base + best[j], n_val[n] = total[best[j]], n_tok[n] = tok[r][pool + best[j]];
+          src.data_ptr<int64_t>()[n] = parent;
+          std::copy_n(f_anc.data() + parent * S, S, n_anc.data() + n * S);
+        }
+      }
+      f_id.swap(n_id), f_val.swap(n_val), f_tok.swap(n_tok), f_anc.swap(n_anc);
+      f_hidden = out.index_select(0, src);
+    }
+    return rerank(root_token, val, tok, par, budget, opts);
+  }
+
+ private:
+  int64_t target_id(int64_t idx) const {
+    if (!draft_ids_.has_value()) return idx;
+    const int64_t n = draft_ids_->size(0);
+    return draft_ids_->data_ptr<int64_t>()[idx < 0 ? idx + n : idx];  // (torch indexing's wrap)
+  }
+
+  // The head over T nodes per row: x = fc([embed(tokens), hidden]) (+ bias), then the layer with
+  // RoPE at `positions`, writing k / v at `slots`. tokens, positions, slots [B, T]; hidden [B*T, H].
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& hidden, const torch::Tensor& positions,
+                        const torch::Tensor& slots, const torch::Tensor& mask, const torch::Tensor& k,
+                        const torch::Tensor& v, int64_t view, double scale, bool amx) const {
+    const int64_t b = tokens.size(0), t = tokens.size(1), hd = cos_.size(1);
+    const auto pos = positions.reshape({-1});  // (made here: contiguous)
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(pp, pp + b * t, [&](int64_t p) { return 0 <= p && p < rotary_positions(); }),
+                "DraftRunner: positions outside the RoPE tables");
+    torch::Tensor x = fc_(at::cat({embed_.index_select(0, tokens.reshape({-1})), hidden}, 1));  // [B*T, H]
+    if (fc_bias_.has_value()) x = x + *fc_bias_;
+    const auto cos = cos_.index_select(0, pos).view({b, 1, t, hd}), sin = sin_.index_select(0, pos).view({b, 1, t, hd});
+    return layer_.run(x, b, t, cos, sin, k, v, slots, view, mask, scale, amx, 0, 1);
+  }
+
+  // Proposer's rerank: keep the budget - 1 best candidates (value descending, ties to the earlier
+  // one: parents before children), in creation order, and renumber their parents.
+  std::vector<torch::Tensor> rerank(const torch::Tensor& root_token, const std::vector<std::vector<float>>& val,
+                                    const std::vector<std::vector<int64_t>>& tok,
+                                    const std::vector<std::vector<int64_t>>& par, int64_t n,
+                                    const torch::TensorOptions& opts) const {
+    const int64_t b = root_token.size(0);
+    const auto root = root_token.contiguous();
+    auto tokens = torch::empty({b, n}, opts), parents = torch::empty({b, n}, opts), depth = torch::empty({b, n}, opts);
+    auto anc = torch::zeros({b, n, n}, opts.dtype(at::kBool));
+    int64_t *tp = tokens.data_ptr<int64_t>(), *pp = parents.data_ptr<int64_t>(), *dp = depth.data_ptr<int64_t>();
+    bool* ap = anc.data_ptr<bool>();
+    for (int64_t r = 0; r < b; ++r) {
+      const int64_t m = static_cast<int64_t>(val[r].size());
+      auto keep = stable_best(val[r].data(), m, n - 1);
+      std::sort(keep.begin(), keep.end());
+      std::vector<int64_t> new_id(m + 1, 0);  // pool id -> node
+      for (size_t j = 0; j < keep.size(); ++j) new_id[keep[j] + 1] = static_cast<int64_t>(j) + 1;
+      int64_t* rt = tp + r * n;
+      int64_t* rp = pp + r * n;
+      int64_t* rd = dp + r * n;
+      bool* ra = ap + r * n * n;
+      rt[0] = root.data_ptr<int64_t>()[r], rp[0] = -1, rd[0] = 0, ra[0] = true;
+      for (int64_t j = 1; j < n; ++j) {
+        const int64_t cand = keep[j - 1];
+        rt[j] = tok[r][cand], rp[j] = new_id[par[r][cand]], rd[j] = rd[rp[j]] + 1;
+        std::copy_n(ra + rp[j] * n, n, ra + j * n);  // the parent's ancestors (parents come first)
+        ra[j * n + j] = true;
+      }
+    }
+    return {tokens, parents, depth, anc};
+  }
+
+  torch::Tensor embed_;
+  layer_stack::Product fc_;
+  c10::optional<torch::Tensor> fc_bias_;
+  LayerStack layer_;
+  layer_stack::Product lm_;
+  c10::optional<torch::Tensor> draft_ids_;
+  torch::Tensor cos_, sin_;
+};
+
+void bind_draft_runner(py::module_& m) {
+  py::class_<DraftRunner>(m, "DraftRunner", "EAGLE-2 drafting of a one-layer head in one call (csrc/draft_runner.cpp)")
+      .def(py::init<torch::Tensor, uintptr_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                    const LayerStack&, uintptr_t, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>>(),
+           py::arg("embed"), py::arg("fc_fn"), py::arg("fc_a"), py::arg("fc_b"), py::arg("fc_bias"), py::arg("layer"),
+           py::arg("lm_fn"), py::arg("lm_a"), py::arg("lm_b"), py::arg("draft_ids"))
+      .def("set_rotary", &DraftRunner::set_rotary, py::arg("cos"), py::arg("sin"))
+      .def("rotary_positions", &DraftRunner::rotary_positions)
+      .def("commit", &DraftRunner::commit, py::arg("k"), py::arg("v"), py::arg("committed"), py::arg("tokens"),
+           py::arg("features"), py::arg("count"), py::arg("view"), py::arg("scale"), py::arg("amx"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("propose", &DraftRunner::propose, py::arg("k"), py::arg("v"), py::arg("committed"), py::arg("root_token"),
+           py::arg("root_hidden"), py::arg("top_k"), py::arg("depth"), py::arg("budget"), py::arg("view"),
+           py::arg("scale"), py::arg("amx"), py::call_guard<py::gil_scoped_release>());
+}
