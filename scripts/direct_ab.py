@@ -2,7 +2,7 @@
 (--switch direct), all layers as one LayerStack call against the per-layer direct path
 (--switch stack), or drafting through csrc/draft_runner.cpp against the Proposer's torch ops
 (--switch native):
-vanilla and eagle2 trees on MT-bench first turns, T=0, the arms interleaved per prompt (their
+vanilla and eagle2 trees on MT-bench first turns, T=0 (or --temperature, seeded), the arms interleaved per prompt (their
 order alternating by repeat) so that the machine's drift hits both. Checks that every output is
 identical between the arms; prints tokens/s of each arm and their ratio.
 
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quant", default="auto")
     ap.add_argument("--trees", nargs="*", default=["4,2,2"], help="eagle2 total_tokens,depth,top_k")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeded by the prompt's index")
     ap.add_argument("--switch", choices=tuple(SWITCHES), default="direct",
                     help="what the arms toggle: direct.DIRECT (modules off), direct.STACK (per-layer off) or "
                          "propose.NATIVE (torch-op drafting off)")
@@ -51,7 +52,8 @@ def main() -> None:
     arms = [("vanilla", None)] + [(t, TreeConfig("eagle2", *map(int, t.split(",")))) for t in args.trees]
 
     def run(prompt: list[int], tree: TreeConfig | None) -> Request:
-        req = Request(prompt, "vanilla" if tree is None else "eagle2", tree, SamplingConfig(temperature=0.0),
+        sampling = SamplingConfig(temperature=args.temperature, seed=prompts.index(prompt))
+        req = Request(prompt, "vanilla" if tree is None else "eagle2", tree, sampling,
                       max_new_tokens=args.max_new_tokens)
         eagle.engine.run([req])
         return req

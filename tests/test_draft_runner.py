@@ -21,6 +21,7 @@ from eaglespec.runtime.engine import Engine, Request
 from eaglespec.spec import draft_quant
 from eaglespec.spec import propose as propose_mod
 from eaglespec.spec.propose import Proposer
+from eaglespec.spec.sampling import RowSampling
 
 pytestmark = pytest.mark.skipif(kernels.ops_kernel() is None or kernels.int8_kernel() is None,
                                 reason="the package's CPU kernels did not build here")
@@ -37,7 +38,7 @@ class Counting:
 
     def __getattr__(self, name: str):
         attr = getattr(self.runner, name)
-        if name not in ("commit", "propose"):
+        if name not in ("commit", "propose", "sample_chain"):
             return attr
 
         def counted(*args):
@@ -61,10 +62,10 @@ def models():
     return target, head
 
 
-def drive(target, head, tree_cfg: TreeConfig, native: bool, steps: int = 4):
-    """B rows: commit each prompt's pairs, then `steps` rounds of propose and a commit of a few
-    random pairs (what acceptance would append). Returns every output, the final cache and the
-    runner's call counts."""
+def drive(target, head, tree_cfg: TreeConfig, native: bool, steps: int = 4, sampling: RowSampling | None = None):
+    """B rows: commit each prompt's pairs, then `steps` rounds of propose (with `sampling`, if any)
+    and a commit of a few random pairs (what acceptance would append). Returns every output, the
+    final cache and the runner's call counts."""
     torch.manual_seed(0)  # (the rows' random pairs: the same for both paths)
     propose_mod.NATIVE = native
     try:
@@ -86,8 +87,10 @@ def drive(target, head, tree_cfg: TreeConfig, native: bool, steps: int = 4):
             root = tokens.gather(1, (count - 1)[:, None])[:, 0]
             for _ in range(steps):
                 view = int(cache.lengths.max()) + proposer.scratch
-                tree = proposer.propose(cache, root, hidden, torch.full((b,), CAPACITY), view)
-                outs.append((hidden.clone(), tree.tokens, tree.parents, tree.depth, tree.ancestors, tree.valid))
+                tree = proposer.propose(cache, root, hidden, torch.full((b,), CAPACITY), view, sampling,
+                                        torch.full((b,), 10 + len(outs)))
+                outs.append((hidden.clone(), tree.tokens, tree.parents, tree.depth, tree.ancestors, tree.valid)
+                            + (() if tree.draft_probs is None else (tree.draft_probs,)))
                 n = torch.randint(1, 4, (b,))
                 new_tokens = torch.randint(0, c.vocab_size, (b, 3))
                 new_feats = torch.randn(b, 3, c.hidden_size).bfloat16()
@@ -119,6 +122,29 @@ def test_native_drafting_is_the_torch_ops_bits(models, a8, shape, reduced):
     for x, y in zip(fast_cache, slow_cache, strict=True):
         assert torch.equal(x, y)
     assert int(fast[-2][3].max()) >= 2, "real trees: deeper than one level"
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1), (3, 2, 1), (6, 5, 1)])
+@pytest.mark.parametrize("reduced", [False, True])
+def test_native_sampled_chains_are_the_torch_ops_draws(models, a8, shape, reduced):
+    """Sampled rows (two temperatures) beside a greedy one: the same drafted tokens and the same q."""
+    target, head = models
+    if reduced:
+        head = copy.deepcopy(head)
+        head.set_vocab(torch.arange(0, 96, 3))
+    sampling = RowSampling.from_configs([SamplingConfig(temperature=1.0, seed=7), SamplingConfig(temperature=0.0),
+                                         SamplingConfig(temperature=0.6, seed=8)])
+    tree_cfg = TreeConfig("eagle2", *shape)
+    fast, fast_cache, counting = drive(target, head, tree_cfg, native=True, sampling=sampling)
+    slow, slow_cache, none = drive(target, head, tree_cfg, native=False, sampling=sampling)
+    assert counting.calls == {"commit": 5, "sample_chain": 4} and none.calls == {}
+    for a, b in zip(fast, slow, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+    for x, y in zip(fast_cache, slow_cache, strict=True):
+        assert torch.equal(x, y)
+    probs = fast[-2][-1]  # [B, N, V]: the sampled rows' q sums to 1 below every inner node
+    assert probs.shape == (3, shape[0], 96) and torch.allclose(probs[:, :-1].sum(-1), torch.ones(3, shape[0] - 1))
 
 
 def test_ties_break_to_the_earlier_child(models, a8, monkeypatch):

@@ -1,5 +1,6 @@
 // EAGLE-2 drafting with a one-layer EAGLE-1/2 head on a CPU, as one call per phase of a step:
-// `commit` (accepted pairs into the head's KV cache) and `propose` (a dynamic tree for every row).
+// `commit` (accepted pairs into the head's KV cache), `propose` (a dynamic tree for every row) and
+// `sample_chain` (a chain drawn from the head's distribution, for temperature-only sampled rows).
 //
 // Why: spec/propose.py's Proposer runs a drafting depth as ~60 torch ops (masks, gathers, the
 // frontier's top-k, the rerank's sorts) around six kernel calls. On a 2-core EPYC a (3, 2, 1) step
@@ -127,26 +128,8 @@ class DraftRunner {
     std::vector<float> total(K * K);
     for (int64_t d = 1; d < depth; ++d) {
       const int64_t first = (d - 1) * K, base = 1 + K + (d - 1) * K * K;
-      auto tokens = torch::empty({b, K}, opts), pos = torch::empty({b, K}, opts), slots = torch::empty({b, K}, opts);
-      auto mask = torch::empty({b, K, view}, opts.dtype(at::kBool));
-      bool* mp = mask.data_ptr<bool>();
-      for (int64_t r = 0; r < b; ++r) {
-        TORCH_CHECK(cp[r] >= 0 && cp[r] + S <= view, "DraftRunner.propose: the scratch slots must lie inside the view");
-        for (int64_t j = 0; j < K; ++j) {
-          const int64_t n = r * K + j;
-          uint8_t* anc = f_anc.data() + n * S;
-          anc[first + j] = 1;  // | own slot
-          tokens.data_ptr<int64_t>()[n] = f_tok[n];
-          pos.data_ptr<int64_t>()[n] = cp[r] + d - 1;
-          slots.data_ptr<int64_t>()[n] = cp[r] + first + j;
-          bool* row = mp + n * view;
-          for (int64_t col = 0; col < view; ++col) {
-            const int64_t rel = col - cp[r];
-            row[col] = rel < 0 || (rel < S && anc[rel]);
-          }
-        }
-      }
-      const auto out = forward(tokens, f_hidden, pos, slots, mask, k, v, view, scale, amx);  // [B*K, H]
+      for (int64_t n = 0; n < b * K; ++n) f_anc[n * S + first + n % K] = 1;  // | own slot
+      const auto out = run_depth(k, v, cp, b, K, S, d, f_tok.data(), f_anc.data(), f_hidden, view, scale, amx);
       const auto top = topk_logprobs(lm_(out), K);  // [B*K, K] each: the children of each frontier node
       const float* tv = top[0].data_ptr<float>();
       const int64_t* ti = top[1].data_ptr<int64_t>();
@@ -179,11 +162,81 @@ class DraftRunner {
     return rerank(root_token, val, tok, par, budget, opts);
   }
 
+  // Proposer._sampled_chain for temperature-only rows: a chain of `depth` drafted tokens per row.
+  // Node d's token is drawn from q = softmax(logits / temperature[b]) over the draft vocabulary with
+  // the uniform of (seed, step, d, purpose), or is the top-1 token where greedy[b]. Returns tokens
+  // [B, depth + 1] (the root first) and the q each node's child was drawn from, scattered over the
+  // target's `vocab` ids: [B, depth + 1, vocab] fp32 (zeros at the leaf).
+  std::vector<torch::Tensor> sample_chain(torch::Tensor k, torch::Tensor v, torch::Tensor committed,
+                                          torch::Tensor root_token, torch::Tensor root_hidden, int64_t depth,
+                                          torch::Tensor temperature, torch::Tensor greedy, torch::Tensor seed,
+                                          torch::Tensor step, int64_t purpose, int64_t vocab, int64_t view,
+                                          double scale, bool amx) const {
+    const int64_t b = root_token.size(0), S = depth - 1;
+    const auto c = committed.contiguous(), root = root_token.contiguous(), greedy_rows = greedy.contiguous();
+    const int64_t* cp = c.data_ptr<int64_t>();
+    auto tokens = torch::empty({b, depth + 1}, c.options());
+    auto probs = torch::zeros({b, depth + 1, vocab}, c.options().dtype(at::kFloat));
+    int64_t* tp = tokens.data_ptr<int64_t>();
+    float* pp = probs.data_ptr<float>();
+    std::vector<int64_t> tok(b);
+    std::vector<uint8_t> anc(b * std::max<int64_t>(S, 1), 0);
+    torch::Tensor hidden = root_hidden.contiguous();  // [B, H] the newest node's head output
+    for (int64_t r = 0; r < b; ++r) tp[r * (depth + 1)] = root.data_ptr<int64_t>()[r];
+    for (int64_t d = 1; d <= depth; ++d) {
+      const auto logits = lm_(hidden).to(at::kFloat);  // [B, Vd], as Proposer._logits
+      const auto q = softmax_rows(logits, temperature);  // [B, Vd] fp32
+      const auto drawn = draw_rows(q, uniforms_rows(seed, step, torch::full({b}, d, c.options()), purpose));
+      const auto top = topk_logprobs(logits, 1)[1];  // [B, 1]
+      const int64_t vd = q.size(1);
+      const float* qp = q.data_ptr<float>();
+      for (int64_t r = 0; r < b; ++r) {
+        const int64_t idx = greedy_rows.data_ptr<bool>()[r] ? top.data_ptr<int64_t>()[r] : drawn.data_ptr<int64_t>()[r];
+        tok[r] = tp[r * (depth + 1) + d] = target_id(idx);
+        float* row = pp + (r * (depth + 1) + d - 1) * vocab;
+        for (int64_t j = 0; j < vd; ++j) row[target_id(j)] = qp[r * vd + j];
+      }
+      if (d < depth) {  // the leaf needs no head forward
+        for (int64_t r = 0; r < b; ++r) anc[r * S + d - 1] = 1;  // | own slot
+        hidden = run_depth(k, v, cp, b, 1, S, d, tok.data(), anc.data(), hidden, view, scale, amx);
+      }
+    }
+    return {tokens, probs};
+  }
+
  private:
   int64_t target_id(int64_t idx) const {
     if (!draft_ids_.has_value()) return idx;
     const int64_t n = draft_ids_->size(0);
     return draft_ids_->data_ptr<int64_t>()[idx < 0 ? idx + n : idx];  // (torch indexing's wrap)
+  }
+
+  // The head over one drafting depth d of `width` nodes per row: node j of row r (token tok[r *
+  // width + j], parent output hidden[r * width + j]) runs at scratch slot committed[r] + (d - 1) *
+  // width + j and position committed[r] + d - 1, and sees the committed slots and the scratch
+  // slots s < S with anc[(r * width + j) * S + s]. Returns the nodes' outputs [B * width, H].
+  torch::Tensor run_depth(const torch::Tensor& k, const torch::Tensor& v, const int64_t* cp, int64_t b, int64_t width,
+                          int64_t S, int64_t d, const int64_t* tok, const uint8_t* anc, const torch::Tensor& hidden,
+                          int64_t view, double scale, bool amx) const {
+    const auto opts = torch::TensorOptions().dtype(at::kLong);
+    auto tokens = torch::empty({b, width}, opts), pos = torch::empty({b, width}, opts);
+    auto slots = torch::empty({b, width}, opts);
+    auto mask = torch::empty({b, width, view}, opts.dtype(at::kBool));
+    int64_t *tk = tokens.data_ptr<int64_t>(), *ps = pos.data_ptr<int64_t>(), *sl = slots.data_ptr<int64_t>();
+    bool* mp = mask.data_ptr<bool>();
+    for (int64_t r = 0; r < b; ++r) {
+      TORCH_CHECK(cp[r] >= 0 && cp[r] + S <= view, "DraftRunner: the scratch slots must lie inside the view");
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t n = r * width + j;
+        tk[n] = tok[n], ps[n] = cp[r] + d - 1, sl[n] = cp[r] + (d - 1) * width + j;
+        bool* row = mp + n * view;
+        for (int64_t col = 0; col < view; ++col) {
+          const int64_t rel = col - cp[r];
+          row[col] = rel < 0 || (rel < S && anc[n * S + rel]);
+        }
+      }
+    }
+    return forward(tokens, hidden, pos, slots, mask, k, v, view, scale, amx);
   }
 
   // The head over T nodes per row: x = fc([embed(tokens), hidden]) (+ bias), then the layer with
@@ -255,6 +308,10 @@ void bind_draft_runner(py::module_& m) {
       .def("commit", &DraftRunner::commit, py::arg("k"), py::arg("v"), py::arg("committed"), py::arg("tokens"),
            py::arg("features"), py::arg("count"), py::arg("view"), py::arg("scale"), py::arg("amx"),
            py::call_guard<py::gil_scoped_release>())
+      .def("sample_chain", &DraftRunner::sample_chain, py::arg("k"), py::arg("v"), py::arg("committed"),
+           py::arg("root_token"), py::arg("root_hidden"), py::arg("depth"), py::arg("temperature"), py::arg("greedy"),
+           py::arg("seed"), py::arg("step"), py::arg("purpose"), py::arg("vocab"), py::arg("view"), py::arg("scale"),
+           py::arg("amx"), py::call_guard<py::gil_scoped_release>())
       .def("propose", &DraftRunner::propose, py::arg("k"), py::arg("v"), py::arg("committed"), py::arg("root_token"),
            py::arg("root_hidden"), py::arg("top_k"), py::arg("depth"), py::arg("budget"), py::arg("view"),
            py::arg("scale"), py::arg("amx"), py::call_guard<py::gil_scoped_release>());

@@ -198,7 +198,14 @@ class Proposer:
             parents = torch.full((b, 1), -1, dtype=torch.long, device=root_token.device)
             tokens, (depth, ancestors) = root_token[:, None], ancestors_from_parents(parents, 0)
         elif self.samples_chain and sampling is not None and not sampling.all_greedy:
-            tokens, probs = self._sampled_chain(cache, root_token, root_hidden, view_len, sampling, step)
+            native = None if sampling.any_top_k or sampling.any_top_p else self._native_args(cache, 1, view_len)
+            if native is not None:  # temperature-only rows: one C++ call, `_sampled_chain`'s draws bit for bit
+                tokens, probs = self._native.sample_chain(
+                    cache.k, cache.v, cache.lengths, root_token, root_hidden, self.max_depth,
+                    sampling.sampling_temperature, sampling.greedy, sampling.seed, step, DRAFT,
+                    self.target.config.vocab_size, view_len, *native)
+            else:
+                tokens, probs = self._sampled_chain(cache, root_token, root_hidden, view_len, sampling, step)
             parents = torch.arange(-1, n - 1, device=tokens.device).expand(b, n)
             depth, ancestors = ancestors_from_parents(parents, self.max_depth)
         elif self.method == "eagle2":
