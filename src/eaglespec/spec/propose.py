@@ -367,8 +367,9 @@ def native_runner(head: Head, target: Transformer, lm_head, draft_ids: torch.Ten
     embedding table. EAGLE-3 heads, deeper heads, other products and devices keep the torch ops."""
     ops = ops_kernel()
     embed = target.embed.weight
-    if (ops is None or not hasattr(ops, "DraftRunner") or not isinstance(head, DraftHead) or len(head.more)
-            or head.fc.weight.dtype != torch.bfloat16 or head.fc.weight.device.type != "cpu"
+    norm = head.layer.mlp_norm.weight if isinstance(head, DraftHead) else None  # (the products may hold no float weight)
+    if (ops is None or not hasattr(ops, "DraftRunner") or norm is None or len(head.more)
+            or norm.dtype != torch.bfloat16 or norm.device.type != "cpu"
             or embed.dtype != torch.bfloat16 or embed.device.type != "cpu"):
         return None
     layer = direct.layer_stack([head.layer.direct_plan()]) if head.layer.direct_plan() is not None else None
