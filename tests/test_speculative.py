@@ -234,11 +234,11 @@ DEFAULT_MODEL_RUNS = [(PROMPTS[0], [1, 60]), (PROMPTS[1], [4, 16])]
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt, sizes", DEFAULT_MODEL_RUNS, ids=["haiku", "arith"])
 def test_default_model_greedy_lossless(engine, prompt, sizes):
-    van = engine.generate(prompt, method="vanilla", max_new_tokens=32)
+    van = engine.generate(prompt, method="vanilla", max_new_tokens=24)
     assert van.new_tokens == len(van.token_ids) > 0 and van.tau == 1.0
     runs = [("eagle", TreeConfig("eagle"))] + [("eagle2", TreeConfig("eagle2", total_tokens=s)) for s in sizes]
     for method, tree in runs:
-        r = engine.generate(prompt, method=method, tree=tree, max_new_tokens=32)
+        r = engine.generate(prompt, method=method, tree=tree, max_new_tokens=24)
         assert r.token_ids == van.token_ids, (method, tree.total_tokens)
         assert r.text == van.text and r.stop_reason == van.stop_reason
         assert sum(r.accept_lengths) + 1 == r.new_tokens

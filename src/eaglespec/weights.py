@@ -591,7 +591,10 @@ def load_model(model: str | ModelSource, dtype: torch.dtype = torch.float32,
     check_quant(quant, device, dtype)
     src = model if isinstance(model, ModelSource) else resolve_model(model)
     kind = None
-    if src.kind == "gguf" and quant != "none":
+    # The GGUF's block type matters only where the mode could come out int4 (its blocks are then
+    # loaded as they are): reading it parses every metadata field, ~20 s for Gemma 3's 262k-token
+    # vocabulary, so a float load (fp32, another device) skips it.
+    if src.kind == "gguf" and resolve_quant(quant, device, dtype, "Q4_0") == "int4":
         reader = read_gguf(src.path)
         cfg = gguf_config(reader, src.path)
         kind = gguf_linear_kind(reader, cfg)
