@@ -2,10 +2,10 @@
 // `commit` (accepted pairs into the head's KV cache), `propose` (a dynamic tree for every row) and
 // `sample_chain` (a chain drawn from the head's distribution, for temperature-only sampled rows).
 //
-// Why: spec/propose.py's Proposer runs a drafting depth as ~60 torch ops (masks, gathers, the
-// frontier's top-k, the rerank's sorts) around six kernel calls. On a 2-core EPYC a (3, 2, 1) step
-// spent ~4.6 ms drafting and committing, of which ~1.2 ms were the int8 products: the rest was op
-// and Python overhead. Here the same kernels (the int8 products, topk_logprobs, the layer through
+// Why: spec/propose.py's Proposer ran a (3, 2, 1) step's drafting and committing as ~270 torch ops
+// (masks, gathers, the frontier's top-k, the rerank's sorts, RoPE tables) around a dozen kernel
+// calls. On a 2-core EPYC they took ~4.6 ms a step, of which ~1.2 ms were the int8 products: the
+// rest was op and Python overhead. Here the same kernels (the int8 products, topk_logprobs, the layer through
 // LayerStack) get the same inputs in the same order, and the tree bookkeeping is plain loops over
 // a few dozen numbers per row, so the trees are Proposer's, bit for bit (tests/test_draft_runner.py).
 //

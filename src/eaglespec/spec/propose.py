@@ -19,6 +19,11 @@ Drafts are the head's top-k tokens, which verification treats as q(x) = 1 (EAGLE
 exception is an EAGLE-2 chain (top-k 1) for sampled rows: its shape does not depend on the drafted
 values, so its tokens are drawn from the head's distribution q and kept in `draft_probs` for the
 p/q rule, which accepts sum(min(p, q)) at each depth instead of p(top-1 token).
+
+On a CPU with int8 drafting of a one-layer EAGLE-1/2 head, `commit`, EAGLE-2 `propose` and the
+sampled chains of temperature-only rows each run as one call of csrc/draft_runner.cpp (the same
+kernels in the same order, so the same bits; `native_runner`, `NATIVE`); the torch ops below stay
+the path everywhere else and the reference its tests compare against.
 """
 
 from __future__ import annotations
