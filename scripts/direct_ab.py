@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--quant", default="auto")
     ap.add_argument("--trees", nargs="*", default=["4,2,2"], help="eagle2 total_tokens,depth,top_k")
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeded by the prompt's index")
+    ap.add_argument("--eagle", action="store_true", help="also EAGLE-1 with its default static tree")
     ap.add_argument("--switch", choices=tuple(SWITCHES), default="direct",
                     help="what the arms toggle: direct.DIRECT (modules off), direct.STACK (per-layer off) or "
                          "propose.NATIVE (torch-op drafting off)")
@@ -50,10 +51,12 @@ def main() -> None:
     lines = open(args.data, encoding="utf-8").read().splitlines()[args.skip:args.skip + args.prompts]
     prompts = [eagle.encode(json.loads(line)["turns"][0])[1] for line in lines]
     arms = [("vanilla", None)] + [(t, TreeConfig("eagle2", *map(int, t.split(",")))) for t in args.trees]
+    if args.eagle:
+        arms.append(("eagle", TreeConfig("eagle")))
 
     def run(prompt: list[int], tree: TreeConfig | None) -> Request:
         sampling = SamplingConfig(temperature=args.temperature, seed=prompts.index(prompt))
-        req = Request(prompt, "vanilla" if tree is None else "eagle2", tree, sampling,
+        req = Request(prompt, "vanilla" if tree is None else tree.method, tree, sampling,
                       max_new_tokens=args.max_new_tokens)
         eagle.engine.run([req])
         return req

@@ -1,4 +1,5 @@
-"""csrc/draft_runner.cpp: the Proposer's EAGLE-2 drafting and committing as one C++ call each
+"""csrc/draft_runner.cpp: the Proposer's drafting (EAGLE-2 trees, EAGLE-1 layouts, sampled chains)
+and committing as one C++ call each
 (spec.propose.NATIVE) must grow the torch-op path's trees bit for bit, return the same head outputs
 and leave the same head cache; it must take the calls it claims and decline the heads it cannot run."""
 
@@ -38,7 +39,7 @@ class Counting:
 
     def __getattr__(self, name: str):
         attr = getattr(self.runner, name)
-        if name not in ("commit", "propose", "sample_chain"):
+        if name not in ("commit", "propose", "propose_static", "sample_chain"):
             return attr
 
         def counted(*args):
@@ -103,18 +104,28 @@ def drive(target, head, tree_cfg: TreeConfig, native: bool, steps: int = 4, samp
         propose_mod.NATIVE = True
 
 
-@pytest.mark.parametrize("shape", [(3, 2, 1), (8, 3, 2), (16, 5, 4), (6, 5, 1), (10, 2, 4)])
+SMALL_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0], [0, 1, 0], [0, 1, 1]]
+SHAPES = [("eagle2", (3, 2, 1)), ("eagle2", (8, 3, 2)), ("eagle2", (16, 5, 4)), ("eagle2", (6, 5, 1)),
+          ("eagle2", (10, 2, 4)), ("eagle", None), ("eagle", SMALL_CHOICES)]
+
+
+@pytest.mark.parametrize("method, shape", SHAPES, ids=[f"{m}-{s if m == 'eagle2' else 'layout'}-{i}"
+                                                       for i, (m, s) in enumerate(SHAPES)])
 @pytest.mark.parametrize("reduced", [False, True])
-def test_native_drafting_is_the_torch_ops_bits(models, a8, shape, reduced):
+def test_native_drafting_is_the_torch_ops_bits(models, a8, method, shape, reduced):
     target, head = models
     if reduced:  # a reduced draft vocabulary of 32 target ids (the int8 kernel wants whole 16-row blocks)
         head = copy.deepcopy(head)
         head.set_vocab(torch.arange(0, 96, 3))
-    tree_cfg = TreeConfig("eagle2", *shape)
+    if method == "eagle2":
+        tree_cfg = TreeConfig("eagle2", *shape)
+    else:  # EAGLE-1: the default static layout, or a small one
+        tree_cfg = TreeConfig("eagle") if shape is None else TreeConfig("eagle", choices=shape)
     fast, fast_cache, counting = drive(target, head, tree_cfg, native=True)
     slow, slow_cache, none = drive(target, head, tree_cfg, native=False)
     assert counting is not None and none is not None
-    assert counting.calls == {"commit": 5, "propose": 4}, "the runner must take every call here"
+    assert counting.calls == {"commit": 5, "propose" if method == "eagle2" else "propose_static": 4}, \
+        "the runner must take every call here"
     assert none.calls == {}, "NATIVE off must keep the torch ops"
     for a, b in zip(fast, slow, strict=True):
         for x, y in zip(a, b, strict=True):

@@ -1,6 +1,7 @@
-// EAGLE-2 drafting with a one-layer EAGLE-1/2 head on a CPU, as one call per phase of a step:
-// `commit` (accepted pairs into the head's KV cache), `propose` (a dynamic tree for every row) and
-// `sample_chain` (a chain drawn from the head's distribution, for temperature-only sampled rows).
+// EAGLE-1/2 drafting with a one-layer EAGLE-1/2 head on a CPU, as one call per phase of a step:
+// `commit` (accepted pairs into the head's KV cache), `propose` (a dynamic tree for every row),
+// `propose_static` (EAGLE-1's fixed layout) and `sample_chain` (a chain drawn from the head's
+// distribution, for temperature-only sampled rows).
 //
 // Why: spec/propose.py's Proposer ran a (3, 2, 1) step's drafting and committing as ~270 torch ops
 // (masks, gathers, the frontier's top-k, the rerank's sorts, RoPE tables) around a dozen kernel
@@ -129,7 +130,7 @@ class DraftRunner {
     for (int64_t d = 1; d < depth; ++d) {
       const int64_t first = (d - 1) * K, base = 1 + K + (d - 1) * K * K;
       for (int64_t n = 0; n < b * K; ++n) f_anc[n * S + first + n % K] = 1;  // | own slot
-      const auto out = run_depth(k, v, cp, b, K, S, d, f_tok.data(), f_anc.data(), f_hidden, view, scale, amx);
+      const auto out = run_depth(k, v, cp, b, K, S, d, first, f_tok.data(), f_anc.data(), f_hidden, view, scale, amx);
       const auto top = topk_logprobs(lm_(out), K);  // [B*K, K] each: the children of each frontier node
       const float* tv = top[0].data_ptr<float>();
       const int64_t* ti = top[1].data_ptr<int64_t>();
@@ -198,10 +199,67 @@ class DraftRunner {
       }
       if (d < depth) {  // the leaf needs no head forward
         for (int64_t r = 0; r < b; ++r) anc[r * S + d - 1] = 1;  // | own slot
-        hidden = run_depth(k, v, cp, b, 1, S, d, tok.data(), anc.data(), hidden, view, scale, amx);
+        hidden = run_depth(k, v, cp, b, 1, S, d, d - 1, tok.data(), anc.data(), hidden, view, scale, amx);
       }
     }
     return {tokens, probs};
+  }
+
+  // Proposer._static (EAGLE-1): tokens [B, N] of a fixed layout below root_token [B]. Level i
+  // (depth i + 1) takes node l's token from its parent's top list: entry src[i][l] of the previous
+  // level's run nodes' top tables, flattened (the root's table has root_width entries); its nodes
+  // run[i] with children go through the head at scratch slots first[i] + 0.., their parents'
+  // outputs at rows hid[i] of the previous run, seeing the scratch slots anc[i] [R, S], and get
+  // top tables of width[i]. Other arguments as in `propose`.
+  torch::Tensor propose_static(torch::Tensor k, torch::Tensor v, torch::Tensor committed, torch::Tensor root_token,
+                               torch::Tensor root_hidden, int64_t root_width, std::vector<torch::Tensor> src,
+                               std::vector<torch::Tensor> run, std::vector<torch::Tensor> hid,
+                               std::vector<torch::Tensor> anc, std::vector<int64_t> first, std::vector<int64_t> width,
+                               int64_t S, int64_t view, double scale, bool amx) const {
+    const int64_t b = root_token.size(0);
+    const auto c = committed.contiguous(), root = root_token.contiguous();
+    const int64_t* cp = c.data_ptr<int64_t>();
+    std::vector<std::vector<int64_t>> tokens(b);
+    for (int64_t r = 0; r < b; ++r) tokens[r].push_back(root.data_ptr<int64_t>()[r]);
+    auto top_ids = [&](const torch::Tensor& hidden, int64_t w) {  // [rows, w] target ids, row-major
+      const auto idx = topk_logprobs(lm_(hidden), w)[1];
+      std::vector<int64_t> ids(idx.numel());
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = target_id(idx.data_ptr<int64_t>()[i]);
+      return ids;
+    };
+    std::vector<int64_t> top = top_ids(root_hidden.contiguous(), root_width);  // [B, W]: per row, flattened
+    int64_t table = root_width;  // entries per row of `top`
+    torch::Tensor hidden = root_hidden.contiguous();  // [B * R', H] the previous run's outputs
+    int64_t prev_run = 1;
+    for (size_t i = 0; i < src.size(); ++i) {
+      const int64_t L = src[i].size(0), R = run[i].size(0);
+      const int64_t *sp = src[i].data_ptr<int64_t>(), *rp = run[i].data_ptr<int64_t>(), *hp = hid[i].data_ptr<int64_t>();
+      std::vector<int64_t> level(b * L);
+      for (int64_t r = 0; r < b; ++r) {
+        for (int64_t l = 0; l < L; ++l) level[r * L + l] = top[r * table + sp[l]];
+        tokens[r].insert(tokens[r].end(), level.begin() + r * L, level.begin() + (r + 1) * L);
+      }
+      if (R == 0) break;  // the deepest level: leaves only
+      std::vector<int64_t> tok(b * R);
+      std::vector<uint8_t> bits(b * R * S);
+      auto rows = torch::empty({b * R}, c.options());  // parents' outputs: rows of `hidden`
+      const bool* ap = anc[i].data_ptr<bool>();
+      for (int64_t r = 0; r < b; ++r) {
+        for (int64_t j = 0; j < R; ++j) {
+          tok[r * R + j] = level[r * L + rp[j]];
+          rows.data_ptr<int64_t>()[r * R + j] = r * prev_run + hp[j];
+          std::copy_n(ap + j * S, S, bits.data() + (r * R + j) * S);
+        }
+      }
+      hidden = run_depth(k, v, cp, b, R, S, static_cast<int64_t>(i) + 1, first[i], tok.data(), bits.data(),
+                         hidden.index_select(0, rows), view, scale, amx);  // [B * R, H]
+      top = top_ids(hidden, width[i]);
+      table = R * width[i], prev_run = R;
+    }
+    const int64_t n = static_cast<int64_t>(tokens[0].size());
+    auto out = torch::empty({b, n}, c.options());
+    for (int64_t r = 0; r < b; ++r) std::copy(tokens[r].begin(), tokens[r].end(), out.data_ptr<int64_t>() + r * n);
+    return out;
   }
 
  private:
@@ -211,13 +269,13 @@ class DraftRunner {
     return draft_ids_->data_ptr<int64_t>()[idx < 0 ? idx + n : idx];  // (torch indexing's wrap)
   }
 
-  // The head over one drafting depth d of `width` nodes per row: node j of row r (token tok[r *
-  // width + j], parent output hidden[r * width + j]) runs at scratch slot committed[r] + (d - 1) *
-  // width + j and position committed[r] + d - 1, and sees the committed slots and the scratch
-  // slots s < S with anc[(r * width + j) * S + s]. Returns the nodes' outputs [B * width, H].
+  // The head over `width` nodes per row at drafting depth d: node j of row r (token tok[r * width
+  // + j], parent output hidden[r * width + j]) runs at scratch slot committed[r] + first + j and
+  // position committed[r] + d - 1, and sees the committed slots and the scratch slots s < S with
+  // anc[(r * width + j) * S + s]. Returns the nodes' outputs [B * width, H].
   torch::Tensor run_depth(const torch::Tensor& k, const torch::Tensor& v, const int64_t* cp, int64_t b, int64_t width,
-                          int64_t S, int64_t d, const int64_t* tok, const uint8_t* anc, const torch::Tensor& hidden,
-                          int64_t view, double scale, bool amx) const {
+                          int64_t S, int64_t d, int64_t first, const int64_t* tok, const uint8_t* anc,
+                          const torch::Tensor& hidden, int64_t view, double scale, bool amx) const {
     const auto opts = torch::TensorOptions().dtype(at::kLong);
     auto tokens = torch::empty({b, width}, opts), pos = torch::empty({b, width}, opts);
     auto slots = torch::empty({b, width}, opts);
@@ -228,7 +286,7 @@ class DraftRunner {
       TORCH_CHECK(cp[r] >= 0 && cp[r] + S <= view, "DraftRunner: the scratch slots must lie inside the view");
       for (int64_t j = 0; j < width; ++j) {
         const int64_t n = r * width + j;
-        tk[n] = tok[n], ps[n] = cp[r] + d - 1, sl[n] = cp[r] + (d - 1) * width + j;
+        tk[n] = tok[n], ps[n] = cp[r] + d - 1, sl[n] = cp[r] + first + j;
         bool* row = mp + n * view;
         for (int64_t col = 0; col < view; ++col) {
           const int64_t rel = col - cp[r];
@@ -312,6 +370,10 @@ void bind_draft_runner(py::module_& m) {
            py::arg("root_token"), py::arg("root_hidden"), py::arg("depth"), py::arg("temperature"), py::arg("greedy"),
            py::arg("seed"), py::arg("step"), py::arg("purpose"), py::arg("vocab"), py::arg("view"), py::arg("scale"),
            py::arg("amx"), py::call_guard<py::gil_scoped_release>())
+      .def("propose_static", &DraftRunner::propose_static, py::arg("k"), py::arg("v"), py::arg("committed"),
+           py::arg("root_token"), py::arg("root_hidden"), py::arg("root_width"), py::arg("src"), py::arg("run"),
+           py::arg("hid"), py::arg("anc"), py::arg("first"), py::arg("width"), py::arg("scratch"), py::arg("view"),
+           py::arg("scale"), py::arg("amx"), py::call_guard<py::gil_scoped_release>())
       .def("propose", &DraftRunner::propose, py::arg("k"), py::arg("v"), py::arg("committed"), py::arg("root_token"),
            py::arg("root_hidden"), py::arg("top_k"), py::arg("depth"), py::arg("budget"), py::arg("view"),
            py::arg("scale"), py::arg("amx"), py::call_guard<py::gil_scoped_release>());

@@ -20,8 +20,8 @@ exception is an EAGLE-2 chain (top-k 1) for sampled rows: its shape does not dep
 values, so its tokens are drawn from the head's distribution q and kept in `draft_probs` for the
 p/q rule, which accepts sum(min(p, q)) at each depth instead of p(top-1 token).
 
-On a CPU with int8 drafting of a one-layer EAGLE-1/2 head, `commit`, EAGLE-2 `propose` and the
-sampled chains of temperature-only rows each run as one call of csrc/draft_runner.cpp (the same
+On a CPU with int8 drafting of a one-layer EAGLE-1/2 head, `commit`, `propose` (EAGLE-1 and
+EAGLE-2) and the sampled chains of temperature-only rows each run as one call of csrc/draft_runner.cpp (the same
 kernels in the same order, so the same bits; `native_runner`, `NATIVE`); the torch ops below stay
 the path everywhere else and the reference its tests compare against.
 """
@@ -159,6 +159,11 @@ class Proposer:
         parents = torch.tensor(par, device=dev)[None]  # [1, N]
         depth, ancestors = ancestors_from_parents(parents, self.max_depth)
         self._tree = (parents, depth, ancestors)
+        # The layout as csrc/draft_runner.cpp's propose_static takes it, and its widest head forward.
+        lv = self._levels
+        self._static_args = ([x.src for x in lv], [x.run for x in lv], [x.hid for x in lv],
+                             [x.anc.contiguous() for x in lv], [x.first for x in lv], [x.width for x in lv])
+        self._widest = max((x.run.numel() for x in lv), default=0)
 
     # --- committing real pairs ---------------------------------------------------------------
     def commit(self, cache: RowKVCache, committed: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
@@ -223,7 +228,13 @@ class Proposer:
                 tokens, parents = self._dynamic(cache, root_token, root_hidden, view_len)
                 depth, ancestors = ancestors_from_parents(parents, self.max_depth)
         else:
-            tokens = self._static(cache, root_token, root_hidden, view_len)
+            native = self._native_args(cache, self._widest, view_len)
+            if native is not None:  # one C++ call (csrc/draft_runner.cpp): `_static`'s tokens, bit for bit
+                tokens = self._native.propose_static(cache.k, cache.v, cache.lengths, root_token, root_hidden,
+                                                     self._root_width, *self._static_args, self.scratch, view_len,
+                                                     *native)
+            else:
+                tokens = self._static(cache, root_token, root_hidden, view_len)
             parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in self._tree)
         valid = torch.arange(n, device=tokens.device)[None] < room[:, None]
         return BatchTree(tokens, parents, depth, ancestors, valid, self.max_depth, probs)
