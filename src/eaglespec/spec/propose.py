@@ -388,7 +388,8 @@ def native_runner(head: Head, target: Transformer, lm_head, draft_ids: torch.Ten
             or norm.dtype != torch.bfloat16 or norm.device.type != "cpu"
             or embed.dtype != torch.bfloat16 or embed.device.type != "cpu"):
         return None
-    layer = direct.layer_stack([head.layer.direct_plan()]) if head.layer.direct_plan() is not None else None
+    plan = head.layer.direct_plan()
+    layer = None if plan is None else direct.layer_stack([plan])
     fc = direct.product_parts(head.fc, with_bias=True)
     lm = direct.product_parts(lm_head) if isinstance(lm_head, torch.nn.Module) else None
     if layer is None or fc is None or lm is None:
