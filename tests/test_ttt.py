@@ -46,7 +46,8 @@ def trained_head(target, store: SampleStore, tmp: Path, num_layers: int = 1):
     return head.eval()
 
 
-def reference_loss(head, target, batch: Batch, steps: int, decay: float, w_cls: float, w_reg: float) -> torch.Tensor:
+def reference_loss(head, target, batch: Batch, steps: int, decay: float, w_cls: float, w_reg: float,
+                   w_tv: float = 0.0) -> torch.Tensor:
     """The unrolled loss from chains run one at a time, as drafting runs them: real pairs 0..a
     into a KVCache, then the head fed its own output one token at a time."""
     tok, feat, lm = batch.tokens, batch.features.float(), batch.loss_mask
@@ -74,19 +75,25 @@ def reference_loss(head, target, batch: Batch, steps: int, decay: float, w_cls: 
             continue
         p_hat, f = torch.stack([x for x, _ in rs]), torch.stack([y for _, y in rs])
         reg = F.smooth_l1_loss(p_hat, f)
-        cls = -(F.linear(f, w).softmax(-1) * F.linear(p_hat, w).log_softmax(-1)).sum(-1).mean()
-        total = total + decay ** s * (w_reg * reg + w_cls * cls)
+        p, q = F.linear(f, w).softmax(-1), F.linear(p_hat, w).softmax(-1)
+        cls = -(p * F.linear(p_hat, w).log_softmax(-1)).sum(-1).mean()
+        tv = 0.5 * (p - q).abs().sum(-1).mean()  # 1 - sum(min(p, q))
+        total = total + decay ** s * (w_reg * reg + w_cls * cls + w_tv * tv)
     return total
 
 
-@pytest.mark.parametrize("steps,decay,w_reg,layers", [(3, 0.8, 1.0, 1), (4, 0.5, 0.0, 1), (3, 0.8, 1.0, 2)])
-def test_unrolled_loss_equals_explicit_chains(tmp_path, ttt_setup, steps, decay, w_reg, layers):
+@pytest.mark.parametrize("steps,decay,w_reg,layers,w_tv", [(3, 0.8, 1.0, 1, 0.0), (4, 0.5, 0.0, 1, 0.0),
+                                                         (3, 0.8, 1.0, 2, 0.0), (3, 0.8, 1.0, 1, 0.5)])
+def test_unrolled_loss_equals_explicit_chains(tmp_path, ttt_setup, steps, decay, w_reg, layers, w_tv):
     target, _, store = ttt_setup
     head = trained_head(target, store, tmp_path, layers)
     batch = odd_batch(store, target.device)
     with torch.no_grad():
-        got = eagle_loss(head, target, batch, w_cls=0.1, noise=0.0, ttt_steps=steps, decay=decay, w_reg=w_reg)
-        want = reference_loss(head, target, batch, steps, decay, 0.1, w_reg)
+        got = eagle_loss(head, target, batch, w_cls=0.1, noise=0.0, ttt_steps=steps, decay=decay, w_reg=w_reg,
+                         w_tv=w_tv)
+        want = reference_loss(head, target, batch, steps, decay, 0.1, w_reg, w_tv)
+        if w_tv:  # the term is really there: the loss without it differs
+            assert not torch.allclose(want, reference_loss(head, target, batch, steps, decay, 0.1, w_reg))
     assert got.per_step.shape == (steps, 3)
     torch.testing.assert_close(got.total, want, rtol=1e-5, atol=1e-6)
 
@@ -131,17 +138,18 @@ def test_one_step_is_the_plain_loss_exactly(ttt_setup):
     assert three.total > got.total
 
 
-def test_optimizer_step_lowers_the_unrolled_loss(tmp_path, ttt_setup):
+@pytest.mark.parametrize("w_tv", [0.0, 0.5])
+def test_optimizer_step_lowers_the_unrolled_loss(tmp_path, ttt_setup, w_tv):
     target, _, store = ttt_setup
     ids = list(range(20))
     batch = collate(store, ids, target.device)
     cfg = TrainConfig(lr=1e-3, warmup_steps=0, noise=0.0, batch_tokens=10_000, eval_every=0, checkpoint_every=0,
-                      max_steps=1, ttt_steps=3, autocast="off")  # its logged loss is compared with fp32's
+                      max_steps=1, ttt_steps=3, autocast="off", w_tv=w_tv)  # its logged loss is compared with fp32's
     head = fresh_head(target)
 
     def loss() -> float:
         with torch.no_grad():
-            return float(eagle_loss(head, target, batch, noise=0.0, ttt_steps=3).total)
+            return float(eagle_loss(head, target, batch, noise=0.0, ttt_steps=3, w_tv=w_tv).total)
 
     before = loss()
     state = train(head, target, store, ids, [], tmp_path / "one", cfg, progress=False)

@@ -38,6 +38,9 @@ class TrainConfig:
     clip_value: float = 0.5  # the authors clip gradients by value
     w_cls: float = 0.1
     w_reg: float = 1.0  # SmoothL1 feature regression (EAGLE-1/2); 0 = CE only, as EAGLE-3
+    # total variation 0.5 * sum|p - q| between the target's and the head's distributions: one minus
+    # what a sampled draft is accepted with (sum min(p, q)), so it trains for T > 0 directly. 0 = off.
+    w_tv: float = 0.0
     ttt_steps: int = 1  # training-time test: unroll the head this many steps (EAGLE-3: 7); 1 = plain loss
     ttt_decay: float = 0.8  # step s of the unroll weighs ttt_decay ** s (EAGLE-3: 0.8)
     noise: float = 0.1  # U(-0.1, 0.1) on input features
@@ -275,7 +278,7 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
                 g["lr"] = lr_at(state.step, total, cfg)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 parts = eagle_loss(model, target, batch, cfg.w_cls, cfg.noise, noise_gen, cfg.ttt_steps,
-                                   cfg.ttt_decay, cfg.w_reg)
+                                   cfg.ttt_decay, cfg.w_reg, cfg.w_tv)
             opt.zero_grad(set_to_none=True)
             parts.total.backward()
             torch.nn.utils.clip_grad_value_(head.parameters(), cfg.clip_value)

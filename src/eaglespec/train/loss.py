@@ -48,7 +48,7 @@ class Sample:
 
 @dataclass
 class LossParts:
-    total: torch.Tensor  # what backward runs on: sum over steps of decay^s * (w_reg * reg_s + w_cls * cls_s)
+    total: torch.Tensor  # what backward runs on: sum over steps of decay^s * (w_reg * reg_s + w_cls * cls_s + w_tv * tv_s)
     reg: torch.Tensor  # step 0's terms (today's loss), detached
     cls: torch.Tensor
     acc: torch.Tensor  # top-1 agreement with the target's argmax over the draft vocabulary (step 0)
@@ -101,7 +101,7 @@ def chain_valid(scored: torch.Tensor, step: int) -> torch.Tensor:
 
 def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float = 0.1, noise: float = 0.1,
                generator: torch.Generator | None = None, ttt_steps: int = 1, decay: float = 0.8,
-               w_reg: float = 1.0) -> LossParts:
+               w_reg: float = 1.0, w_tv: float = 0.0) -> LossParts:
     """EAGLE-1/2's loss, unrolled over `ttt_steps` (training-time test, EAGLE-3).
 
     Pair p is (x[p+1], f[p]) at position p, for p = 0..T-2. Step 0 is the head on the real pairs
@@ -109,7 +109,9 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
     (the chain that left real features at p - s; see chain_mask), with the embedding of x[p+1] as
     usual. Every step predicts the feature after its input token, f[p+1], and is scored against
     it: SmoothL1 to f[p+1] and CE to the target's distribution softmax(LMHead(f[p+1])) over the
-    head's vocabulary (the next token x[p+2]), each a mean over the step's scored positions
+    head's vocabulary (the next token x[p+2]), and with w_tv > 0 the total variation
+    0.5 * sum|p - q| between that distribution and the head's (one minus a sampled draft's
+    acceptance, sum min(p, q)), each a mean over the step's scored positions
     (chain_valid), weighted decay^s and summed. ttt_steps=1 is the plain EAGLE-1/2 loss.
     Noise goes on the real input features only. `head` needs forward(embeds, features, positions,
     cache, mask) and lm_weight(target LM head) (it may be wrapped in DistributedDataParallel).
@@ -155,6 +157,8 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
         cls = -(prob_s * d_logp).sum(-1).mean()
         acc = (d_logp.argmax(-1) == top_s).float().mean()
         term = w_reg * reg + w_cls * cls
+        if w_tv:
+            term = term + w_tv * 0.5 * (prob_s - d_logp.exp()).abs().sum(-1).mean()
         total = term if s == 0 else total + decay ** s * term
         stats.append(torch.stack([reg.detach(), cls.detach(), acc.detach()]))
     per_step = torch.stack(stats)  # [N', 3]
