@@ -32,8 +32,9 @@ demo: install
 browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || sh scripts/install_browser.sh
 
+# One worker per core (pytest-xdist; tests/conftest.py splits the threads between them).
 test: install browser
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist worksteal tests
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

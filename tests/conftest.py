@@ -13,6 +13,16 @@ import torch
 # on where it is the subject. Child processes inherit this.
 os.environ["EAGLESPEC_TREE_TUNING"] = "0"
 
+# Under pytest-xdist (`make test` runs one worker per core) each worker gets its share of the cores:
+# OpenMP pools of all cores in every worker would oversubscribe the machine and spin against each
+# other. Child processes (CLI, server and torchrun tests) inherit the setting. Tests that are
+# about thread counts set their own.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)
+    torch.set_num_threads(_SHARE)
+
 # ChatML, as SmolLM2 and Qwen2 use it (no default system prompt, to keep prompts short).
 CHATML = (
     "{% for message in messages %}"
