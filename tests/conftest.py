@@ -19,7 +19,8 @@ os.environ["EAGLESPEC_TREE_TUNING"] = "0"
 # about thread counts set their own.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    _SHARE = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _SHARE = max(1, _CORES // _WORKERS)
     os.environ["OMP_NUM_THREADS"] = str(_SHARE)
     torch.set_num_threads(_SHARE)
 
