@@ -47,9 +47,10 @@ def trained_head(target, store: SampleStore, tmp: Path, num_layers: int = 1):
 
 
 def reference_loss(head, target, batch: Batch, steps: int, decay: float, w_cls: float, w_reg: float,
-                   w_tv: float = 0.0) -> torch.Tensor:
+                   w_tv: float = 0.0, tvs: list | None = None) -> torch.Tensor:
     """The unrolled loss from chains run one at a time, as drafting runs them: real pairs 0..a
-    into a KVCache, then the head fed its own output one token at a time."""
+    into a KVCache, then the head fed its own output one token at a time. `tvs` collects each
+    step's total variation."""
     tok, feat, lm = batch.tokens, batch.features.float(), batch.loss_mask
     b, t = tok.shape
     n = t - 1
@@ -78,6 +79,8 @@ def reference_loss(head, target, batch: Batch, steps: int, decay: float, w_cls: 
         p, q = F.linear(f, w).softmax(-1), F.linear(p_hat, w).softmax(-1)
         cls = -(p * F.linear(p_hat, w).log_softmax(-1)).sum(-1).mean()
         tv = 0.5 * (p - q).abs().sum(-1).mean()  # 1 - sum(min(p, q))
+        if tvs is not None:
+            tvs.append(tv)
         total = total + decay ** s * (w_reg * reg + w_cls * cls + w_tv * tv)
     return total
 
@@ -91,11 +94,15 @@ def test_unrolled_loss_equals_explicit_chains(tmp_path, ttt_setup, steps, decay,
     with torch.no_grad():
         got = eagle_loss(head, target, batch, w_cls=0.1, noise=0.0, ttt_steps=steps, decay=decay, w_reg=w_reg,
                          w_tv=w_tv)
-        want = reference_loss(head, target, batch, steps, decay, 0.1, w_reg, w_tv)
+        tvs: list = []
+        want = reference_loss(head, target, batch, steps, decay, 0.1, w_reg, w_tv, tvs)
         if w_tv:  # the term is really there: the loss without it differs
             assert not torch.allclose(want, reference_loss(head, target, batch, steps, decay, 0.1, w_reg))
-    assert got.per_step.shape == (steps, 3)
+    assert got.per_step.shape == (steps, 4)
     torch.testing.assert_close(got.total, want, rtol=1e-5, atol=1e-6)
+    # the logged TV is each step's, whether or not it is trained on
+    torch.testing.assert_close(got.per_step[:, 3], torch.stack(tvs), rtol=1e-5, atol=1e-6)
+    assert float(got.tv) == float(got.per_step[0, 3]) and 0.0 < float(got.tv) < 1.0
 
 
 def test_chain_valid_masks_padding_holes_and_the_start():
@@ -217,3 +224,4 @@ def test_resume_after_sigkill_with_ttt(tmp_path, ttt_setup):
         torch.testing.assert_close(hb[k], ha[k], rtol=1e-6, atol=1e-7)
     log = [json.loads(x) for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in log] == list(range(1, 8)) and all(len(x["step_cls"]) == 3 for x in log)
+    assert all(len(x["step_tv"]) == 3 and round(x["tv"], 4) == x["step_tv"][0] for x in log)

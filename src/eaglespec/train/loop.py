@@ -287,11 +287,11 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
             state.batch_in_epoch += 1
             state.tokens_seen += int(batch.loss_mask.numel()) * world
             rec = {"step": state.step, "epoch": state.epoch, "loss": parts.total.item(), "reg": parts.reg.item(),
-                   "cls": parts.cls.item(), "acc": float(parts.acc), "lr": opt.param_groups[0]["lr"],
+                   "cls": parts.cls.item(), "acc": float(parts.acc), "tv": float(parts.tv), "lr": opt.param_groups[0]["lr"],
                    "tokens_per_s": (state.tokens_seen - tokens0) / max(1e-9, time.perf_counter() - t0)}
-            if cfg.ttt_steps > 1 and parts.per_step is not None:  # each unrolled step's CE and top-1
-                rec["step_cls"] = [round(float(x), 4) for x in parts.per_step[:, 1]]
-                rec["step_acc"] = [round(float(x), 4) for x in parts.per_step[:, 2]]
+            if cfg.ttt_steps > 1 and parts.per_step is not None:  # each unrolled step's CE, top-1 and TV
+                for col, name in ((1, "step_cls"), (2, "step_acc"), (3, "step_tv")):
+                    rec[name] = [round(float(x), 4) for x in parts.per_step[:, col]]
             bar.update(1)
             bar.set_postfix(reg=f"{rec['reg']:.3f}", cls=f"{rec['cls']:.2f}", acc=f"{rec['acc']:.2f}",
                             tok_s=f"{rec['tokens_per_s']:.0f}")

@@ -53,7 +53,8 @@ class LossParts:
     cls: torch.Tensor
     acc: torch.Tensor  # top-1 agreement with the target's argmax over the draft vocabulary (step 0)
     positions: int  # scored positions of step 0
-    per_step: torch.Tensor | None = None  # [N, 3] (reg, cls, acc) of each unrolled step, detached
+    per_step: torch.Tensor | None = None  # [N, 4] (reg, cls, acc, tv) of each unrolled step, detached
+    tv: torch.Tensor | None = None  # step 0's total variation 0.5 * sum|p - q|, detached (logged whatever w_tv)
 
 
 class TrainKV:
@@ -134,7 +135,7 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
     m = int(sel.sum())
     if m == 0:
         zero = pred.sum() * 0.0
-        return LossParts(zero, zero, zero, zero.detach(), 0)
+        return LossParts(zero, zero, zero, zero.detach(), 0, tv=zero.detach())
     w = core.lm_weight(target.lm_head.weight)  # [Vd, H] the head's LM head
     if core.kind == "eagle3":
         w_reg = 0.0  # its output is a hidden state of its own, not the target's feature
@@ -157,12 +158,16 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
         cls = -(prob_s * d_logp).sum(-1).mean()
         acc = (d_logp.argmax(-1) == top_s).float().mean()
         term = w_reg * reg + w_cls * cls
+        # 1 - sum(min(p, q)): what a sampled draft at this depth is rejected with; logged even when
+        # not trained on, so runs with and without --w-tv compare on it
+        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(w_tv)):
+            tv = 0.5 * (prob_s - d_logp.exp()).abs().sum(-1).mean()
         if w_tv:
-            term = term + w_tv * 0.5 * (prob_s - d_logp.exp()).abs().sum(-1).mean()
+            term = term + w_tv * tv
         total = term if s == 0 else total + decay ** s * term
-        stats.append(torch.stack([reg.detach(), cls.detach(), acc.detach()]))
-    per_step = torch.stack(stats)  # [N', 3]
-    return LossParts(total, per_step[0, 0], per_step[0, 1], per_step[0, 2], m, per_step)
+        stats.append(torch.stack([reg.detach(), cls.detach(), acc.detach(), tv.detach()]))
+    per_step = torch.stack(stats)  # [N', 4]
+    return LossParts(total, per_step[0, 0], per_step[0, 1], per_step[0, 2], m, per_step, per_step[0, 3])
 
 
 def target_vocab_weight(head, target: Transformer) -> torch.Tensor:
