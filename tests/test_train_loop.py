@@ -505,6 +505,40 @@ def test_cli_init_head_grows_layers(tmp_path, tiny_chat_checkpoint, isolated_cac
     assert "has 2 layers; --head-layers 1 would drop some" in capsys.readouterr().err
 
 
+def test_cli_init_head_widens_the_draft_vocabulary(tmp_path, tiny_chat_checkpoint, isolated_cache, capsys,
+                                                   monkeypatch):
+    """`--init-head DIR --draft-vocab N` above the head's size: the weights stay the head's (lr 0),
+    the vocabulary keeps every old id and adds others, and the widened head drafts losslessly;
+    narrowing it is refused."""
+    from eaglespec.api import EagleSpec
+    from eaglespec.draft import load_head
+    from eaglespec.train.cli import main
+
+    monkeypatch.delenv("EAGLESPEC_DEBUG", raising=False)
+    data = write_chat_data(tmp_path / "chat.jsonl")
+    feats = ("--features", str(tmp_path / "feats"))
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "a", *feats, "--max-steps", "6",
+                           "--draft-vocab", "30")) == 0
+    cfg = target_config_of(tiny_chat_checkpoint)
+    old = load_head(tmp_path / "a" / "head", cfg)
+    capsys.readouterr()
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "w", *feats, "--max-steps", "1", "--lr", "0",
+                           "--init-head", str(tmp_path / "a" / "head"), "--draft-vocab", "45")) == 0
+    assert "draft vocabulary widened from 30 to" in capsys.readouterr().err
+    wide = load_head(tmp_path / "w" / "head", cfg)
+    assert set(old.vocab.tolist()) < set(wide.vocab.tolist()) and wide.vocab.numel() <= 46
+    ref, got = old.state_dict(), wide.state_dict()
+    for k in ref:
+        assert k == "vocab" or torch.equal(got[k], ref[k]), k
+    spec = EagleSpec.load(str(tiny_chat_checkpoint), dtype="fp32")
+    spec.set_draft(str(tmp_path / "w" / "head"))
+    want = spec.generate("the cat sat", max_new_tokens=12).token_ids
+    assert spec.generate("the cat sat", method="eagle2", max_new_tokens=12).token_ids == want
+    assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "n", *feats, "--max-steps", "1",
+                           "--init-head", str(tmp_path / "w" / "head"), "--draft-vocab", "20")) == 2
+    assert "cannot change it (it would drop tokens the head was trained on)" in capsys.readouterr().err
+
+
 def test_cli_trains_a_two_layer_head(tmp_path, tiny_chat_checkpoint, isolated_cache, capsys, monkeypatch):
     """`--head-layers 2` with the training-time test: the loss falls, the saved head is two layers
     in EAGLE's layout and decodes identically to vanilla; the flag is refused for EAGLE-3."""

@@ -73,7 +73,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-head", default=None, metavar="DIR",
                    help="start from this head (ours or a released EAGLE-1/2/3 checkpoint) instead of a random "
                         "one: fine-tune it on new data, or train it further; its kind, target layers and draft "
-                        "vocabulary are kept (--head must match; --draft-vocab is ignored)")
+                        "vocabulary are kept (--head must match). --draft-vocab N above an EAGLE-1/2 head's "
+                        "size widens its vocabulary: its tokens plus the next most frequent answer tokens (the "
+                        "head scores the target's own LM-head rows, so nothing new is learned from scratch)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     d = TrainConfig()
@@ -169,7 +171,7 @@ def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], ra
     if args.head_layers not in (None, 1) and args.head == "eagle3":
         raise ConfigError("--head-layers applies to EAGLE-1/2 heads (an EAGLE-3 head has one midlayer)")
     if getattr(args, "init_head", None):
-        return start_head(args, target, samples, val_ids, rank)
+        return start_head(args, target, samples, train_ids, val_ids, rank, extra_vocab)
     ids = None
     if args.draft_vocab and args.draft_vocab < cfg.vocab_size:
         dv = frequent_tokens([samples[i] for i in train_ids] + list(extra_vocab), args.draft_vocab, cfg.eos_token_ids)
@@ -197,13 +199,14 @@ def new_head(args, target, samples, train_ids: list[int], val_ids: list[int], ra
     return head.to(device)
 
 
-def start_head(args, target, samples, val_ids: list[int], rank: int):
+def start_head(args, target, samples, train_ids: list[int], val_ids: list[int], rank: int, extra_vocab=()):
     """`--init-head`: the saved head, in fp32 and trainable, after checking it is the kind asked for.
-    Its draft vocabulary and target layers come with it (they index its weights)."""
+    Its draft vocabulary and target layers come with it (they index its weights); an EAGLE-1/2
+    head's vocabulary may be widened (`--draft-vocab` above its size)."""
     from ..config import ConfigError
     from ..draft import grow_head_, load_head
     from ..eagle3 import Eagle3Head, check_target_layers
-    from .vocab import coverage
+    from .vocab import coverage, widen_vocab
 
     head = load_head(args.init_head, target.config, dtype=torch.float32, device=target.device)
     kind = "eagle3" if isinstance(head, Eagle3Head) else "eagle"
@@ -221,6 +224,22 @@ def start_head(args, target, samples, val_ids: list[int], rank: int):
         grow_head_(head, args.head_layers, args.seed)
         if rank == 0:
             print(f"grown to {args.head_layers} layers (the new ones start as identity)", file=sys.stderr)
+    held = head.draft_vocab if kind == "eagle3" else (target.config.vocab_size if head.vocab is None
+                                                      else int(head.vocab.numel()))
+    if args.draft_vocab and args.draft_vocab != held:
+        if kind == "eagle3" or args.draft_vocab < held:
+            why = "an EAGLE-3 head's LM head rows are its own weights" if kind == "eagle3" else \
+                "it would drop tokens the head was trained on"
+            raise ConfigError(f"--init-head {args.init_head} has a draft vocabulary of {held:,} tokens; "
+                              f"--draft-vocab {args.draft_vocab:,} cannot change it ({why})")
+        # Widening costs no training: an EAGLE-1/2 head scores the target's own LM-head rows, and
+        # its features regress the target's, so the new rows' logits are already meaningful.
+        wide = widen_vocab(head.vocab, [samples[i] for i in train_ids] + list(extra_vocab), args.draft_vocab,
+                           target.config.vocab_size, target.config.eos_token_ids)
+        head.set_vocab(wide)
+        if rank == 0:
+            size = target.config.vocab_size if wide is None else int(wide.numel())
+            print(f"draft vocabulary widened from {held:,} to {size:,} tokens", file=sys.stderr)
     if rank == 0:
         ids = head.to_target_ids(torch.arange(head.draft_vocab)) if kind == "eagle3" else head.vocab
         vocab = "the full vocabulary" if ids is None else f"its draft vocabulary of {ids.numel():,} tokens" + (

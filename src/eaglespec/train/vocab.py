@@ -48,3 +48,15 @@ def coverage(vocab: torch.Tensor, samples: Sequence[TokenizedSample]) -> float:
     counts = _answer_tokens(samples)
     inside = set(vocab.tolist())
     return sum(c for t, c in counts.items() if t in inside) / max(1, sum(counts.values()))
+
+
+def widen_vocab(vocab: torch.Tensor, samples: Sequence[TokenizedSample], size: int, vocab_size: int,
+                always: Iterable[int] = ()) -> torch.Tensor | None:
+    """A larger draft vocabulary that keeps every id of `vocab` ([Vd] target ids): they, `always`
+    and the most frequent other answer tokens of `samples`, up to `size` ids; None (the full
+    vocabulary) when `size` reaches `vocab_size`."""
+    if size >= vocab_size:
+        return None
+    if size < vocab.numel():
+        raise ValueError(f"cannot narrow a draft vocabulary of {vocab.numel()} ids to {size}")
+    return frequent_tokens(samples, size, [*vocab.tolist(), *always]).token_ids
