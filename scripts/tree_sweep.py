@@ -3,6 +3,8 @@ the shipped head). Prints numbers, asserts nothing.
 
   python scripts/tree_sweep.py --data ../shared/data/mt_bench/question.jsonl --skip 10 --prompts 20 \\
       --trees 16,5,4 16,4,4 12,4,4 8,3,4 12,3,4
+Several --draft heads run side by side (each head x each tree, all interleaved), to compare heads'
+speed as well as tau on the same prompts and the same warm machine.
 """
 
 from __future__ import annotations
@@ -30,35 +32,41 @@ def main() -> None:
     ap.add_argument("--trees", nargs="+", default=["16,5,4", "12,4,4", "8,3,4"], help="total_tokens,depth,top_k")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quant", default="auto")
-    ap.add_argument("--draft", default="default", help="head directory (default: the shipped head)")
+    ap.add_argument("--draft", nargs="+", default=["default"], help="head directories (default: the shipped head)")
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeded by the prompt's index")
     args = ap.parse_args()
     set_threads()
-    e = EagleSpec.load(dtype=args.dtype, draft=args.draft, quant=args.quant)
+    specs = [EagleSpec.load(dtype=args.dtype, draft=d, quant=args.quant) for d in args.draft]
+    e = specs[0]
     lines = [x for x in Path(args.data).read_text().splitlines() if x.strip()]
     prompts = [e.encode(first_turn(json.loads(x)))[1] for x in lines[args.skip: args.skip + args.prompts]]
-    arms = [None] + [TreeConfig("eagle2", *map(int, t.split(","))) for t in args.trees]
+    trees = [TreeConfig("eagle2", *map(int, t.split(","))) for t in args.trees]
+    arms = [(0, None)] + [(h, tree) for tree in trees for h in range(len(specs))]  # (head index, tree)
     acc = [[0, 0.0, 0] for _ in arms]
-    for tree in arms:  # warm-up, untimed: kernel builds and first calls stay out of the first arm
-        e.engine.run([Request(prompts[0], "vanilla" if tree is None else "eagle2", tree,
-                              SamplingConfig(temperature=args.temperature, seed=0), max_new_tokens=8)])
+    for h, tree in arms:  # warm-up, untimed: kernel builds and first calls stay out of the first arm
+        specs[h].engine.run([Request(prompts[0], "vanilla" if tree is None else "eagle2", tree,
+                                     SamplingConfig(temperature=args.temperature, seed=0), max_new_tokens=8)])
     for j, ids in enumerate(prompts):
         order = list(enumerate(arms))
-        for i, tree in order[j % len(arms):] + order[: j % len(arms)]:  # rotate to spread drift
+        for i, (h, tree) in order[j % len(arms):] + order[: j % len(arms)]:  # rotate to spread drift
             sampling = SamplingConfig(temperature=args.temperature, seed=j)
             r = Request(ids, "vanilla" if tree is None else "eagle2", tree, sampling, max_new_tokens=args.max_new_tokens)
             t0 = time.perf_counter()
-            e.engine.run([r])
+            specs[h].engine.run([r])
             acc[i][0] += len(r.pending_tokens)
             acc[i][1] += time.perf_counter() - t0
             acc[i][2] += r.stats.steps
     base = acc[0][0] / acc[0][1]
-    print(f"{e.target.dtype} {e.target.quant}, head {args.draft}, T={args.temperature}, {len(prompts)} prompts of "
+    heads = ", ".join(args.draft)
+    print(f"{e.target.dtype} {e.target.quant}, head {heads}, T={args.temperature}, {len(prompts)} prompts of "
           f"{args.data}, {args.max_new_tokens} new tokens")
-    print("| tree (total, depth, top-k) | tokens/s | speedup | tau |\n|---|---|---|---|")
-    for tree, (n, wall, steps) in zip(arms, acc):
+    several = len(specs) > 1
+    print("| tree (total, depth, top-k) |" + (" head |" if several else "") + " tokens/s | speedup | tau |\n"
+          + "|---" * (5 if several else 4) + "|")
+    for (h, tree), (n, wall, steps) in zip(arms, acc):
         name = "vanilla" if tree is None else f"{tree.total_tokens}, {tree.depth}, {tree.top_k}"
-        print(f"| {name} | {n / wall:.1f} | {n / wall / base:.3f}x | {(n - len(prompts)) / max(1, steps):.2f} |")
+        head = f" {args.draft[h] if tree is not None else '-'} |" if several else ""
+        print(f"| {name} |{head} {n / wall:.1f} | {n / wall / base:.3f}x | {(n - len(prompts)) / max(1, steps):.2f} |")
 
 
 if __name__ == "__main__":
