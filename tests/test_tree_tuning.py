@@ -144,3 +144,25 @@ def test_no_timing_while_requests_are_in_flight(models, tuning, monkeypatch, cap
     while not req.done:
         engine.step()
     assert req.error is None and len(req.pending_tokens) == 3
+
+
+def test_the_timing_cache_tells_head_shapes_apart(models):
+    """Step times depend on the head's draft vocabulary (its LM-head product runs every draft
+    step): widening it, or another head kind, must not reuse the cached timings."""
+    import torch
+    from types import SimpleNamespace
+
+    target, head = models
+    engine = SimpleNamespace(target=target, head=head)
+    key = tree_tuning.cache_key(engine, "greedy", TAUS["greedy"])
+    assert tree_tuning.cache_key(engine, "greedy", TAUS["greedy"]) == key
+    held = head.vocab
+    try:
+        head.set_vocab(torch.arange(10))
+        narrow = tree_tuning.cache_key(engine, "greedy", TAUS["greedy"])
+        head.set_vocab(torch.arange(20))
+        wide = tree_tuning.cache_key(engine, "greedy", TAUS["greedy"])
+    finally:
+        head.set_vocab(held)
+    assert len({key, narrow, wide}) == 3
+    assert tree_tuning.cache_key(SimpleNamespace(target=target, head=None), "greedy", TAUS["greedy"]) != key

@@ -119,14 +119,25 @@ def _code_fingerprint() -> str:
     return h.hexdigest()[:12]
 
 
+def _head_shape(head) -> list:
+    """What a draft step costs besides the target: the head's kind, layers and draft-vocabulary rows
+    (its LM-head product is per draft step; a widened vocabulary makes the step dearer)."""
+    if head is None:
+        return []
+    vocab = getattr(head, "vocab", None)
+    rows = int(vocab.numel()) if vocab is not None else getattr(head, "draft_vocab", None)
+    return [getattr(head, "kind", type(head).__name__), getattr(head, "cache_layers", 1), rows]
+
+
 def cache_key(engine: "Engine", kind: str, taus: dict[str, float]) -> str:
-    """What the timing depends on: the CPU, threads, the target's shapes and mode, the code, the
-    trees."""
+    """What the timing depends on: the CPU, threads, the target's shapes and mode, the head's shape,
+    the code, the trees."""
     t = engine.target
     cfg = t.config
     parts = [CACHE_VERSION, _cpu_name(), torch.get_num_threads(), str(t.device), str(t.dtype),
              getattr(t, "quant", "none"), cfg.hidden_size, cfg.num_layers, cfg.vocab_size,
-             cfg.intermediate_size, torch.__version__, _code_fingerprint(), kind, sorted(taus)]
+             cfg.intermediate_size, _head_shape(engine.head), torch.__version__, _code_fingerprint(), kind,
+             sorted(taus)]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
