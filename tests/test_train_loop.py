@@ -477,11 +477,20 @@ def test_grow_head_keeps_what_the_head_computes(tiny_chat_checkpoint):
         grow_head_(head, 2)
 
 
+def assert_drafts_losslessly(ckpt: Path, head_dir: Path) -> None:
+    """eagle2 with the head at head_dir decodes exactly what vanilla does (fp32, greedy)."""
+    from eaglespec.api import EagleSpec
+
+    spec = EagleSpec.load(str(ckpt), dtype="fp32")
+    spec.set_draft(str(head_dir))
+    want = spec.generate("the cat sat", max_new_tokens=12).token_ids
+    assert spec.generate("the cat sat", method="eagle2", max_new_tokens=12).token_ids == want
+
+
 def test_cli_init_head_grows_layers(tmp_path, tiny_chat_checkpoint, isolated_cache, capsys, monkeypatch):
     """`--init-head DIR --head-layers 2` on a one-layer head: the run starts from the same loss as
     the head itself (the new layer is identity), saves two layers, and drafts losslessly; asking
     for fewer layers than the head has is refused."""
-    from eaglespec.api import EagleSpec
     from eaglespec.draft import load_head
     from eaglespec.train.cli import main
 
@@ -495,11 +504,8 @@ def test_cli_init_head_grows_layers(tmp_path, tiny_chat_checkpoint, isolated_cac
                                "--init-head", str(saved), *extra)) == 0
     assert "grown to 2 layers" in capsys.readouterr().err
     assert read_log(tmp_path / "grown")[0]["loss"] == pytest.approx(read_log(tmp_path / "same")[0]["loss"], rel=1e-5)
-    spec = EagleSpec.load(str(tiny_chat_checkpoint), dtype="fp32")
-    assert load_head(tmp_path / "grown" / "head", spec.target.config).cache_layers == 2
-    spec.set_draft(str(tmp_path / "grown" / "head"))
-    want = spec.generate("the cat sat", max_new_tokens=12).token_ids
-    assert spec.generate("the cat sat", method="eagle2", max_new_tokens=12).token_ids == want
+    assert load_head(tmp_path / "grown" / "head", target_config_of(tiny_chat_checkpoint)).cache_layers == 2
+    assert_drafts_losslessly(tiny_chat_checkpoint, tmp_path / "grown" / "head")
     assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "b", *feats, "--max-steps", "1",
                            "--init-head", str(tmp_path / "grown" / "head"), "--head-layers", "1")) == 2
     assert "has 2 layers; --head-layers 1 would drop some" in capsys.readouterr().err
@@ -510,7 +516,6 @@ def test_cli_init_head_widens_the_draft_vocabulary(tmp_path, tiny_chat_checkpoin
     """`--init-head DIR --draft-vocab N` above the head's size: the weights stay the head's (lr 0),
     the vocabulary keeps every old id and adds others, and the widened head drafts losslessly;
     narrowing it is refused."""
-    from eaglespec.api import EagleSpec
     from eaglespec.draft import load_head
     from eaglespec.train.cli import main
 
@@ -530,10 +535,7 @@ def test_cli_init_head_widens_the_draft_vocabulary(tmp_path, tiny_chat_checkpoin
     ref, got = old.state_dict(), wide.state_dict()
     for k in ref:
         assert k == "vocab" or torch.equal(got[k], ref[k]), k
-    spec = EagleSpec.load(str(tiny_chat_checkpoint), dtype="fp32")
-    spec.set_draft(str(tmp_path / "w" / "head"))
-    want = spec.generate("the cat sat", max_new_tokens=12).token_ids
-    assert spec.generate("the cat sat", method="eagle2", max_new_tokens=12).token_ids == want
+    assert_drafts_losslessly(tiny_chat_checkpoint, tmp_path / "w" / "head")
     assert main(train_argv(tiny_chat_checkpoint, data, tmp_path / "n", *feats, "--max-steps", "1",
                            "--init-head", str(tmp_path / "w" / "head"), "--draft-vocab", "20")) == 2
     assert "cannot change it (it would drop tokens the head was trained on)" in capsys.readouterr().err
