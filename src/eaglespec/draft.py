@@ -85,6 +85,11 @@ class DraftHead(nn.Module):
         return idx if self.vocab is None else self.vocab[idx]
 
     @property
+    def draft_vocab(self) -> int:
+        """Rows of lm_weight: the tokens this head can draft (the target's whole vocabulary when None)."""
+        return self.config.vocab_size if self.vocab is None else int(self.vocab.numel())
+
+    @property
     def layers(self) -> list[nn.Module]:
         return [self.layer, *self.more]
 

@@ -124,9 +124,7 @@ def _head_shape(head) -> list:
     (its LM-head product is per draft step; a widened vocabulary makes the step dearer)."""
     if head is None:
         return []
-    vocab = getattr(head, "vocab", None)
-    rows = int(vocab.numel()) if vocab is not None else getattr(head, "draft_vocab", None)
-    return [getattr(head, "kind", type(head).__name__), getattr(head, "cache_layers", 1), rows]
+    return [head.kind, head.cache_layers, head.draft_vocab]
 
 
 def cache_key(engine: "Engine", kind: str, taus: dict[str, float]) -> str:

@@ -224,8 +224,7 @@ def start_head(args, target, samples, train_ids: list[int], val_ids: list[int], 
         grow_head_(head, args.head_layers, args.seed)
         if rank == 0:
             print(f"grown to {args.head_layers} layers (the new ones start as identity)", file=sys.stderr)
-    held = head.draft_vocab if kind == "eagle3" else (target.config.vocab_size if head.vocab is None
-                                                      else int(head.vocab.numel()))
+    held = head.draft_vocab
     if args.draft_vocab and args.draft_vocab != held:
         if kind == "eagle3" or args.draft_vocab < held:
             why = "an EAGLE-3 head's LM head rows are its own weights" if kind == "eagle3" else \
@@ -238,8 +237,7 @@ def start_head(args, target, samples, train_ids: list[int], val_ids: list[int], 
                            target.config.vocab_size, target.config.eos_token_ids)
         head.set_vocab(wide)
         if rank == 0:
-            size = target.config.vocab_size if wide is None else int(wide.numel())
-            print(f"draft vocabulary widened from {held:,} to {size:,} tokens", file=sys.stderr)
+            print(f"draft vocabulary widened from {held:,} to {head.draft_vocab:,} tokens", file=sys.stderr)
     if rank == 0:
         ids = head.to_target_ids(torch.arange(head.draft_vocab)) if kind == "eagle3" else head.vocab
         vocab = "the full vocabulary" if ids is None else f"its draft vocabulary of {ids.numel():,} tokens" + (
@@ -297,8 +295,7 @@ def cmd_train(args) -> int:
         store = SampleStore([shard_path(feat_dir, i) for i in range(n_shards)], layers)
     cfg = config_from(args)
     extra = {"target": engine.source.name, "samples": len(samples), "tokens": n_tok, "head": args.head,
-             "draft_vocab": head.draft_vocab if args.head == "eagle3" else
-             int(head.vocab.numel()) if head.vocab is not None else target.config.vocab_size}
+             "draft_vocab": head.draft_vocab}
     state = train(head, target, store, train_ids, val_ids, out, cfg, resume=args.resume, rank=rank, world=world,
                   progress=not args.no_progress, head_extra=extra)
     if rank == 0:

@@ -287,7 +287,8 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
             state.batch_in_epoch += 1
             state.tokens_seen += int(batch.loss_mask.numel()) * world
             rec = {"step": state.step, "epoch": state.epoch, "loss": parts.total.item(), "reg": parts.reg.item(),
-                   "cls": parts.cls.item(), "acc": float(parts.acc), "tv": float(parts.tv), "lr": opt.param_groups[0]["lr"],
+                   "cls": parts.cls.item(), "acc": float(parts.acc), "tv": float(parts.tv),
+                   "lr": opt.param_groups[0]["lr"],
                    "tokens_per_s": (state.tokens_seen - tokens0) / max(1e-9, time.perf_counter() - t0)}
             if cfg.ttt_steps > 1 and parts.per_step is not None:  # each unrolled step's CE, top-1 and TV
                 for col, name in ((1, "step_cls"), (2, "step_acc"), (3, "step_tv")):
