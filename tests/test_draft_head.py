@@ -367,3 +367,21 @@ def test_reduced_vocab_out_of_range_is_refused(cfg, ids):
     head = init_random_head(cfg, seed=4)
     with pytest.raises(ConfigError):
         head.set_vocab(torch.tensor(ids, dtype=torch.long))
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, 11, "1.2", True, None])
+def test_draft_sharpness_is_read_and_checked(tmp_path, cfg, bad):
+    """`draft_sharpness` in the config's "eaglespec" block becomes head.draft_sharpness (sampled
+    chains draw from softmax(s * logits / T)); a head without it has none (1.0 is used); a value
+    that is not a number in (0, 10] is refused with a clear error."""
+    head = init_random_head(cfg, seed=0)
+    save_head(head, tmp_path / "h", extra={"draft_sharpness": 1.15})
+    assert load_head(tmp_path / "h", cfg).draft_sharpness == 1.15
+    save_head(head, tmp_path / "none")
+    assert not hasattr(load_head(tmp_path / "none", cfg), "draft_sharpness")
+    save_head(head, tmp_path / "bad", extra={"draft_sharpness": bad})
+    if bad is None:  # JSON null: as if absent
+        assert not hasattr(load_head(tmp_path / "bad", cfg), "draft_sharpness")
+        return
+    with pytest.raises(ConfigError, match="draft head .*bad.*draft_sharpness must be a number in"):
+        load_head(tmp_path / "bad", cfg)

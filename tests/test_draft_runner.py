@@ -136,13 +136,16 @@ def test_native_drafting_is_the_torch_ops_bits(models, a8, method, shape, reduce
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 1), (3, 2, 1), (6, 5, 1)])
-@pytest.mark.parametrize("reduced", [False, True])
-def test_native_sampled_chains_are_the_torch_ops_draws(models, a8, shape, reduced):
-    """Sampled rows (two temperatures) beside a greedy one: the same drafted tokens and the same q."""
+@pytest.mark.parametrize("reduced, sharpness", [(False, 1.0), (True, 1.0), (True, 1.3)])
+def test_native_sampled_chains_are_the_torch_ops_draws(models, a8, shape, reduced, sharpness):
+    """Sampled rows (two temperatures) beside a greedy one: the same drafted tokens and the same q
+    (with a head's draft_sharpness too)."""
     target, head = models
     if reduced:
         head = copy.deepcopy(head)
         head.set_vocab(torch.arange(0, 96, 3))
+    if sharpness != 1.0:
+        head.draft_sharpness = sharpness
     sampling = RowSampling.from_configs([SamplingConfig(temperature=1.0, seed=7), SamplingConfig(temperature=0.0),
                                          SamplingConfig(temperature=0.6, seed=8)])
     tree_cfg = TreeConfig("eagle2", *shape)

@@ -581,11 +581,14 @@ def test_engine_vanilla_sampling_matches_exact(small_target):
 CHAIN = TreeConfig("eagle2", total_tokens=3, depth=2, top_k=1)
 
 
-def chain_engine(target, cfg: SamplingConfig, n: int, greedy_every: int = 0, fixed_shapes: bool = False):
+def chain_engine(target, cfg: SamplingConfig, n: int, greedy_every: int = 0, fixed_shapes: bool = False,
+                 sharpness: float = 1.0):
     """n sampled requests (seeds 0..) through a real (random) head with the chain tree, 8 rows a
     step; every `greedy_every`-th request in between is greedy (a mixed batch). Returns (Counter
-    of the sampled outputs, accepted drafts of the sampled requests, the greedy requests)."""
+    of the sampled outputs, accepted drafts of the sampled requests, the greedy requests).
+    sharpness: the head's draft_sharpness (its drafts drawn from softmax(s * logits / T))."""
     head = init_random_head(target.config, seed=3)
+    head.draft_sharpness = sharpness
     engine = RecordingEngine(target, head, max_batch=8, fixed_shapes=fixed_shapes)
     reqs, sampled, greedy = [], [], []
     for s in range(n):
@@ -602,17 +605,19 @@ def chain_engine(target, cfg: SamplingConfig, n: int, greedy_every: int = 0, fix
     return counts, sum(sum(a - 1 for a in r.stats.accept_lengths) for r in sampled), greedy
 
 
-@pytest.mark.parametrize("cfg, greedy_every, fixed_shapes", [
-    (SamplingConfig(temperature=1.0), 0, False),
-    (SamplingConfig(temperature=0.8, top_k=5), 4, True),
-], ids=["t1", "t0.8-topk5-mixed-fixed"])
-def test_sampled_chain_lossless(small_target, cfg, greedy_every, fixed_shapes):
+@pytest.mark.parametrize("cfg, greedy_every, fixed_shapes, sharpness", [
+    (SamplingConfig(temperature=1.0), 0, False, 1.0),
+    (SamplingConfig(temperature=0.8, top_k=5), 4, True, 1.0),
+    (SamplingConfig(temperature=1.0), 0, False, 2.5),
+], ids=["t1", "t0.8-topk5-mixed-fixed", "t1-sharpness2.5"])
+def test_sampled_chain_lossless(small_target, cfg, greedy_every, fixed_shapes, sharpness):
     """Chain drafts sampled from the head's q and verified by min(1, p/q): the output is the
     target's distribution, greedy rows in the same batch stay equal to greedy vanilla, and the
-    drafts are accepted often (sum(min(p, q)), not p(top-1))."""
+    drafts are accepted often (sum(min(p, q)), not p(top-1)). A head's draft_sharpness changes q
+    (a much sharper one here), never the output's distribution."""
     expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
     n = 1500
-    counts, accepted, greedy = chain_engine(small_target, cfg, n, greedy_every, fixed_shapes)
+    counts, accepted, greedy = chain_engine(small_target, cfg, n, greedy_every, fixed_shapes, sharpness)
     pval, stat, df = chi_square_pvalue(counts, expected)
     assert df >= 15, df
     assert pval > PASS_P, (stat, df)
@@ -658,6 +663,12 @@ def test_sampled_chain_drafts_come_from_q(small_target):
             u = uniforms(sampling.seed[r:r + 1], step[r:r + 1], torch.tensor([d]), DRAFT)
             assert int(tree.tokens[r, d]) == int(draw(q[r:r + 1, d - 1], u)[0])
     assert tree.tokens[1].tolist() == greedy.tokens[1].tolist()  # the greedy row: the top-1 chain
+    head.draft_sharpness = 1.7  # drafts drawn from softmax(1.7 * logits / T)
+    sharp = Proposer(head, small_target, CHAIN)
+    with torch.no_grad():
+        tree = sharp.propose(cache, torch.tensor([4, 4, 4]), hidden, torch.full((b,), 3), 3 + p.scratch, sampling, step)
+    assert torch.allclose(tree.draft_probs[0, 0, vocab], (1.7 * root_logits[0]).softmax(-1), atol=1e-5)
+    assert tree.tokens[1].tolist() == greedy.tokens[1].tolist()
 
 
 def test_sampled_eagle2_requests_default_to_a_chain(small_target):

@@ -276,7 +276,8 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.
     """Load a head from our format or a released EAGLE-1/2 or EAGLE-3 checkpoint (the kind is
     detected); refuse one that does not fit the target. The head's measured tau by tree, where
     its config.json has one ("eaglespec": {"tree_tau": ...}), becomes `head.tree_tau`: the engine
-    picks its default trees for the machine from it (runtime/tree_tuning.py)."""
+    picks its default trees for the machine from it (runtime/tree_tuning.py). Its measured
+    `draft_sharpness` (see `parse_draft_sharpness`), where given, becomes `head.draft_sharpness`."""
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
@@ -294,7 +295,21 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.
         from .runtime.tree_tuning import parse_tree_tau
 
         head.tree_tau = parse_tree_tau(raw_tau, f"draft head {path}")
+    raw_sharp = ours.get("draft_sharpness") if isinstance(ours, dict) else None
+    if raw_sharp is not None:
+        head.draft_sharpness = parse_draft_sharpness(raw_sharp, f"draft head {path}")
     return head
+
+
+def parse_draft_sharpness(raw: object, where: str) -> float:
+    """A head's `draft_sharpness` s: sampled chains draw their drafts from softmax(s * logits / T)
+    instead of softmax(logits / T). Any q keeps the output's distribution exact (verification
+    uses the q each draft was drawn from); s only moves the acceptance sum(min(p, q)), and a
+    head trained on soft targets is often less confident than the target, where s > 1 raises
+    it (measured with scripts/draft_sharpness.py). A clear error unless a number in (0, 10]."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw <= 10:
+        raise ConfigError(f"{where}: draft_sharpness must be a number in (0, 10], got {raw!r}")
+    return float(raw)
 
 
 def _load_head(path: Path, raw: dict, target: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> Head:

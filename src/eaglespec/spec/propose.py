@@ -28,7 +28,7 @@ the path everywhere else and the reference its tests compare against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +97,8 @@ class Proposer:
         """int8: draft with weight-only int8 products (spec/draft_quant.py; CPU), which changes
         only which tokens are proposed, never the output."""
         self.head, self.target, self.method = head, target, tree_cfg.method
+        # Sampled chains draw from softmax(sharpness * logits / T) (draft.parse_draft_sharpness).
+        self.sharpness = float(getattr(head, "draft_sharpness", 1.0))
         self._frame: _Frame | None = None  # set by each propose for its head forwards
         # [Vd, H], in the head's dtype: drafting runs in the head's precision whatever the target's LM head is.
         self._lm = head.lm_weight(target.lm_head.weight).to(head.fc.weight.dtype).contiguous()
@@ -208,14 +210,17 @@ class Proposer:
             parents = torch.full((b, 1), -1, dtype=torch.long, device=root_token.device)
             tokens, (depth, ancestors) = root_token[:, None], ancestors_from_parents(parents, 0)
         elif self.samples_chain and sampling is not None and not sampling.all_greedy:
+            # Drafts are drawn at temperature T / sharpness: softmax(sharpness * logits / T).
+            drafting = sampling if self.sharpness == 1.0 else replace(
+                sampling, temperature=sampling.temperature / self.sharpness)
             native = None if sampling.any_top_k or sampling.any_top_p else self._native_args(cache, 1, view_len)
             if native is not None:  # temperature-only rows: one C++ call, `_sampled_chain`'s draws bit for bit
                 tokens, probs = self._native.sample_chain(
                     cache.k, cache.v, cache.lengths, root_token, root_hidden, self.max_depth,
-                    sampling.sampling_temperature, sampling.greedy, sampling.seed, step, DRAFT,
+                    drafting.sampling_temperature, sampling.greedy, sampling.seed, step, DRAFT,
                     self.target.config.vocab_size, view_len, *native)
             else:
-                tokens, probs = self._sampled_chain(cache, root_token, root_hidden, view_len, sampling, step)
+                tokens, probs = self._sampled_chain(cache, root_token, root_hidden, view_len, drafting, step)
             parents = torch.arange(-1, n - 1, device=tokens.device).expand(b, n)
             depth, ancestors = ancestors_from_parents(parents, self.max_depth)
         elif self.method == "eagle2":
