@@ -306,7 +306,7 @@ def parse_draft_sharpness(raw: object, where: str) -> float:
     instead of softmax(logits / T). Any q keeps the output's distribution exact (verification
     uses the q each draft was drawn from); s only moves the acceptance sum(min(p, q)), and a
     head trained on soft targets is often less confident than the target, where s > 1 raises
-    it (measured with scripts/draft_sharpness.py). A clear error unless a number in (0, 10]."""
+    it (measured with scripts/head_acceptance.py). A clear error unless a number in (0, 10]."""
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw <= 10:
         raise ConfigError(f"{where}: draft_sharpness must be a number in (0, 10], got {raw!r}")
     return float(raw)
