@@ -123,14 +123,20 @@ def test_one_step_lowers_the_unrolled_loss(setup):
 
 
 def test_n_alpha_matches_greedy_chain_drafting(tmp_path, setup):
-    """chain_accuracy's step-n hits = what a chain drafted with a KVCache proposes, one query at a time."""
+    """chain_accuracy's step-n hits = what a chain drafted with a KVCache proposes, one query at a
+    time; its sampled acceptance sum(min(p, q_s)) the same chain's, for two draft sharpness values."""
     target, store, _ = setup
     head = trained_e3(target, store, tmp_path)
     x = store.get(7)
-    hits, totals = chain_accuracy(head, target, x.tokens, x.features, x.loss_mask, 3, x.inputs)
+    scales = (1.0, 1.3)
+    counts = chain_accuracy(head, target, x.tokens, x.features, x.loss_mask, 3, x.inputs, scales=scales)
+    hits, totals = counts.hits, counts.totals
     t = x.tokens.numel() - 1
-    want = F.linear(x.features.float()[1:], target.lm_head.weight).argmax(-1)
+    t_logits = F.linear(x.features.float()[1:], target.lm_head.weight)
+    want = t_logits.argmax(-1)
+    draft_ids = head.to_target_ids(torch.arange(head.draft_vocab))
     ref_hits = [0, 0, 0]
+    ref_sampled = [[0.0, 0.0] for _ in range(3)]
     with torch.no_grad():
         for a in range(t):
             cache = KVCache(1, head.config.num_kv_heads, head.config.head_dim, a + 4, 1, torch.float32, "cpu")
@@ -143,10 +149,17 @@ def test_n_alpha_matches_greedy_chain_drafting(tmp_path, setup):
                 if s > 0:
                     e = target.embed(x.tokens[p + 1:p + 2])[None].float()
                     out = head.step(e, out[None, None], torch.tensor([[p]]), cache)[0, -1]
-                pred = head.to_target_ids(F.linear(head.norm(out), head.lm_head.weight).argmax(-1))
+                logits = F.linear(head.norm(out), head.lm_head.weight)
+                pred = head.to_target_ids(logits.argmax(-1))
                 if bool(x.loss_mask[p + 1]) and int(pred) == int(want[p]):
                     ref_hits[s] += 1
+                if bool(x.loss_mask[p + 1]):
+                    p_d = t_logits[p].softmax(-1)[draft_ids]
+                    for j, sc in enumerate(scales):
+                        ref_sampled[s][j] += float(torch.minimum(p_d, (logits * sc).softmax(-1)).sum())
     assert hits == ref_hits and totals[0] > 0
+    assert torch.allclose(torch.tensor(counts.sampled), torch.tensor(ref_sampled), rtol=1e-4)
+    assert counts.sampled[0][0] != counts.sampled[0][1]  # the sharpness changes q
     assert evaluate(head, target, store, [7], steps=3)["n_alpha"][0] == hits[0] / totals[0]
 
 

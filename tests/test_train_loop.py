@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglespec.draft import DraftHead, init_head_
+from eaglespec.draft import DraftHead, init_head_, load_head
 from eaglespec.train import loop
 from eaglespec.train.data import TokenizedSample
 from eaglespec.train.features import dump_features, shard_path, write_manifest
@@ -239,6 +239,11 @@ def test_bf16_target_with_fp32_head_trains_and_evaluates(tmp_path, tiny_setup):
     state = train(head, target16, store, train_ids, val_ids, tmp_path / "bf16", cfg, progress=False)
     assert state.step == 2 and all(math.isfinite(h["loss"]) for h in state.history)
     assert (tmp_path / "bf16" / "head" / "model.safetensors").is_file()
+    # The final evaluation picks a draft sharpness, which the saved head carries and loads with.
+    saved = json.loads((tmp_path / "bf16" / "head" / "config.json").read_text())["eaglespec"]
+    assert saved["draft_sharpness"] in loop.SHARPNESS_GRID
+    assert len(saved["train"]["sampled_alpha"]) == 5 and len(saved["train"]["sampled_alpha_sharp"]) == 5
+    assert load_head(tmp_path / "bf16" / "head", target16.config).draft_sharpness == saved["draft_sharpness"]
 
 
 class Killed(Exception):

@@ -301,7 +301,8 @@ def cmd_train(args) -> int:
     if rank == 0:
         metrics = json.loads((out / "metrics.json").read_text())
         print(f"done: {state.step} steps; head in {out / 'head'}; n-alpha "
-              f"{[round(a, 3) for a in metrics.get('n_alpha', [])]}, implied tau {metrics.get('implied_tau', 0):.2f}; "
+              f"{[round(a, 3) for a in metrics.get('n_alpha', [])]}, implied tau {metrics.get('implied_tau', 0):.2f}, "
+              f"draft sharpness {metrics.get('draft_sharpness', 1.0):g}; "
               f"peak memory {peak_rss_gib():.1f} GiB", file=sys.stderr)
     if world > 1:
         # Every rank leaves its last collective before any tears the group down: a rank that

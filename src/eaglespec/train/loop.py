@@ -189,19 +189,37 @@ def truncate_log(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(keep))
 
 
+# Draft sharpness values the final evaluation tries (draft.parse_draft_sharpness): acceptance
+# is flat near its best, and a few steps past 1 cover what heads trained here have needed.
+SHARPNESS_GRID = (1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4)
+
+
 @torch.no_grad()
-def evaluate(head: DraftHead, target: Transformer, store: SampleStore, val_ids: list[int], steps: int = 5) -> dict:
+def evaluate(head: DraftHead, target: Transformer, store: SampleStore, val_ids: list[int], steps: int = 5,
+             scales: tuple[float, ...] = (1.0,)) -> dict:
+    """Greedy n-alpha and, at T=1, a sampled chain draft's acceptance by depth (`sampled_alpha`,
+    with the head's own q), on the validation samples. With more than one of `scales` (draft
+    sharpness values, 1.0 among them) also the best of them by a chain's implied tau
+    (`draft_sharpness`) and its acceptance (`sampled_alpha_sharp`)."""
     head.eval()
-    hits, totals = [0] * steps, [0] * steps
+    total = None
     for i in val_ids:
         x, dev = store.get(i), target.device
-        h, t = chain_accuracy(head, target, x.tokens.to(dev), x.features.to(dev), x.loss_mask.to(dev), steps,
-                              None if x.inputs is None else x.inputs.to(dev))
-        hits = [a + b for a, b in zip(hits, h)]
-        totals = [a + b for a, b in zip(totals, t)]
+        c = chain_accuracy(head, target, x.tokens.to(dev), x.features.to(dev), x.loss_mask.to(dev), steps,
+                           None if x.inputs is None else x.inputs.to(dev), scales=scales)
+        total = c if total is None else total.add(c)
     head.train()
-    alphas = [h / t if t else 0.0 for h, t in zip(hits, totals)]
-    return {"n_alpha": alphas, "implied_tau": implied_tau(alphas), "val_positions": totals[0]}
+    if total is None:
+        return {}
+    alphas = total.alphas()
+    out = {"n_alpha": alphas, "implied_tau": implied_tau(alphas), "val_positions": total.totals[0]}
+    if 1.0 in scales:
+        out["sampled_alpha"] = total.sampled_alphas(scales.index(1.0))
+    if len(scales) > 1:
+        best = max(range(len(scales)), key=lambda j: implied_tau(total.sampled_alphas(j)))
+        out["draft_sharpness"] = scales[best]
+        out["sampled_alpha_sharp"] = total.sampled_alphas(best)
+    return out
 
 
 def use_autocast(mode: str, device: torch.device) -> bool:
@@ -312,11 +330,13 @@ def train(head: DraftHead, target: Transformer, store: SampleStore, train_ids: l
     bar.close()
     checkpoint()
     if rank == 0:
-        final = evaluate(head, target, store, val_ids[: cfg.eval_samples]) if val_ids else {}
+        final = evaluate(head, target, store, val_ids[: cfg.eval_samples], scales=SHARPNESS_GRID) if val_ids else {}
         head.eval()
+        # The measured sharpness goes where load_head reads it: sampled chains then draw with it.
+        sharp = {"draft_sharpness": final["draft_sharpness"]} if "draft_sharpness" in final else {}
         save_head(head, out / "head", dtype=torch.bfloat16,
-                  extra={**(head_extra or {}), "train": {"steps": state.step, "tokens_seen": state.tokens_seen,
-                                                         **final}})
+                  extra={**(head_extra or {}), **sharp,
+                         "train": {"steps": state.step, "tokens_seen": state.tokens_seen, **final}})
         atomic_write_text(out / "metrics.json", json.dumps({"steps": state.step, "tokens_seen": state.tokens_seen,
                                                             "seconds": time.perf_counter() - t0, **final}, indent=2))
         if log:

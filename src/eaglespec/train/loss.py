@@ -194,41 +194,77 @@ def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(F.pad(x.to(w.dtype), (0, 0, 0, (-m) % ROW_BUCKET)), w)[:m]
 
 
+@dataclass
+class ChainCounts:
+    """Chain acceptance of one or more sequences, by depth n (the head's input holds n features it
+    predicted itself): greedy top-1 hits, and for each draft sharpness s the summed acceptance of a
+    draft sampled from q_s = softmax(s * logits / T), sum(min(p, q_s)) with p = softmax(target
+    logits / T) over the whole vocabulary (only the draft vocabulary can be drafted)."""
+
+    hits: list[int]  # [steps]
+    totals: list[int]  # [steps] scored positions
+    sampled: list[list[float]]  # [steps][len(scales)]
+
+    def add(self, other: "ChainCounts") -> "ChainCounts":
+        return ChainCounts([a + b for a, b in zip(self.hits, other.hits)],
+                           [a + b for a, b in zip(self.totals, other.totals)],
+                           [[a + b for a, b in zip(x, y)] for x, y in zip(self.sampled, other.sampled)])
+
+    def alphas(self) -> list[float]:
+        """Greedy n-alpha."""
+        return [h / t if t else 0.0 for h, t in zip(self.hits, self.totals)]
+
+    def sampled_alphas(self, j: int) -> list[float]:
+        """Sampled acceptance by depth for scale j."""
+        return [row[j] / t if t else 0.0 for row, t in zip(self.sampled, self.totals)]
+
+
 @torch.no_grad()
 def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, features: torch.Tensor,
-                   loss_mask: torch.Tensor, steps: int = 5, inputs: torch.Tensor | None = None
-                   ) -> tuple[list[int], list[int]]:
-    """n-alpha counts for one sequence. tokens [T], features [T, H] (the target's final ones),
-    loss_mask [T], inputs [T, F] (the head's feature input when not `features`: EAGLE-3) ->
-    (hits[n], totals[n]) for n = 0..steps-1."""
+                   loss_mask: torch.Tensor, steps: int = 5, inputs: torch.Tensor | None = None,
+                   scales: tuple[float, ...] = (), temperature: float = 1.0) -> ChainCounts:
+    """n-alpha counts for one sequence, n = 0..steps-1. tokens [T], features [T, H] (the target's
+    final ones), loss_mask [T], inputs [T, F] (the head's feature input when not `features`:
+    EAGLE-3). scales: draft sharpness values whose sampled acceptance at `temperature` is summed
+    too (ChainCounts.sampled)."""
     t = tokens.numel() - 1  # pairs (x[p+1], f[p]) for p = 0..t-1
     if t < 1:
-        return [0] * steps, [0] * steps
+        return ChainCounts([0] * steps, [0] * steps, [[0.0] * len(scales) for _ in range(steps)])
     dev = tokens.device
     emb = target.embed(tokens[1:])[None].to(head.fc.weight.dtype)  # [1, t, H]
     feats = features.to(head.fc.weight.dtype)
-    # The target's top-1 at p + 1 (full vocabulary): [t]. The head may be fp32 beside a bf16 target,
-    # so the LM head is applied in the head's dtype.
-    want = F.linear(feats[1:], target.lm_head.weight.to(feats.dtype)).argmax(-1)
+    # The target's logits at p + 1 (full vocabulary): [t, V]. The head may be fp32 beside a bf16
+    # target, so the LM head is applied in the head's dtype.
+    t_logits = F.linear(feats[1:], target.lm_head.weight.to(feats.dtype))
+    want = t_logits.argmax(-1)  # [t] its top-1
     w_draft = head.lm_weight(target.lm_head.weight).to(feats.dtype)
+    draft_ids = head.to_target_ids(torch.arange(w_draft.shape[0], device=dev))  # [Vd] target id of each row
+    # p over the draft vocabulary's ids: [t, Vd] (tokens outside it are never drafted)
+    p_draft = (t_logits.float() / temperature).softmax(-1)[:, draft_ids] if scales else None
     cache = KVCache(head.cache_layers, head.config.num_kv_heads, head.config.head_dim, t * steps, 1, emb.dtype, dev)
     pos = torch.arange(t, device=dev)[None]
     p = torch.arange(t, device=dev)
-    hits, totals = [], []
+    counts = ChainCounts([], [], [])
     inp = feats if inputs is None else inputs.to(feats.dtype)
     out = head(emb, inp[:-1][None], pos, cache)  # step 0: real features, causal
     for n in range(steps):
         valid = loss_mask[1:] & (p >= n)
-        pred = head.to_target_ids(F.linear(head.readout(out[0]), w_draft).argmax(-1))
-        hits.append(int(((pred == want) & valid).sum()))
-        totals.append(int(valid.sum()))
+        logits = F.linear(head.readout(out[0]), w_draft)  # [t, Vd]
+        counts.hits.append(int(((draft_ids[logits.argmax(-1)] == want) & valid).sum()))
+        counts.totals.append(int(valid.sum()))
+        if scales:
+            lv, pv = logits[valid].float(), p_draft[valid]
+            counts.sampled.append([float(torch.minimum(pv, (lv * (s / temperature)).softmax(-1)).sum())
+                                   for s in scales])
+        else:
+            counts.sampled.append([])
         if n + 1 == steps:
             break
         # step n+1: query p takes its chain's previous output (at p - 1) as feature
         prev = torch.cat([out[0, :1] * 0, out[0, :-1]], 0)[None]
         mask = chain_mask(t, n + 1, dev)  # [t, cache.length + t]
         out = head.step(emb, prev, pos, cache, mask)
-    return hits, totals
+    return counts
 
 
 def implied_tau(alphas: list[float]) -> float:
