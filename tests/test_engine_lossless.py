@@ -35,10 +35,12 @@ from eaglespec.quant import greedy_exact, quantize_model
 from eaglespec.runtime.engine import Engine, Request
 from eaglespec.spec import step as step_mod
 from eaglespec.spec import verify as spec_verify
+from eaglespec.spec import propose as propose_mod
 from eaglespec.spec.propose import Proposer
 from eaglespec.spec.rng import BONUS, DRAFT, draw, uniforms
 from eaglespec.spec.sampling import RowSampling, row_probabilities
 from eaglespec.spec.tree import acceptance_from_path
+from eaglespec.tree import sampled_layout, static_layout
 
 from spec_helpers import (OracleProposer, RecordingEngine, check_stats, chi_square_pvalue, cut_at_eos, engine_tokens,
                           exact_sequence_probs, run_generate, sharp_random_head, single_thread)
@@ -582,21 +584,21 @@ CHAIN = TreeConfig("eagle2", total_tokens=3, depth=2, top_k=1)
 
 
 def chain_engine(target, cfg: SamplingConfig, n: int, greedy_every: int = 0, fixed_shapes: bool = False,
-                 sharpness: float = 1.0):
-    """n sampled requests (seeds 0..) through a real (random) head with the chain tree, 8 rows a
-    step; every `greedy_every`-th request in between is greedy (a mixed batch). Returns (Counter
-    of the sampled outputs, accepted drafts of the sampled requests, the greedy requests).
-    sharpness: the head's draft_sharpness (its drafts drawn from softmax(s * logits / T))."""
+                 sharpness: float = 1.0, tree: TreeConfig = CHAIN):
+    """n sampled requests (seeds 0..) through a real (random) head with the chain tree (or
+    `tree`), 8 rows a step; every `greedy_every`-th request in between is greedy (a mixed batch).
+    Returns (Counter of the sampled outputs, accepted drafts of the sampled requests, the greedy
+    requests). sharpness: the head's draft_sharpness (its drafts drawn from softmax(s * logits / T))."""
     head = init_random_head(target.config, seed=3)
     head.draft_sharpness = sharpness
     engine = RecordingEngine(target, head, max_batch=8, fixed_shapes=fixed_shapes)
     reqs, sampled, greedy = [], [], []
     for s in range(n):
-        r = Request(PROMPT, "eagle2", CHAIN, dataclasses.replace(cfg, seed=s), NEW)
+        r = Request(PROMPT, "eagle2", tree, dataclasses.replace(cfg, seed=s), NEW)
         reqs.append(r)
         sampled.append(r)
         if greedy_every and s % greedy_every == 0:
-            greedy.append(Request(PROMPT, "eagle2", CHAIN, SamplingConfig(), NEW))
+            greedy.append(Request(PROMPT, "eagle2", tree, SamplingConfig(), NEW))
             reqs.append(greedy[-1])
     with single_thread():
         for a in range(0, len(reqs), 64):
@@ -701,6 +703,100 @@ def test_sampled_chain_statistic_has_power(small_target, monkeypatch):
     counts, _, _ = chain_engine(small_target, cfg, 600)
     pval, stat, df = chi_square_pvalue(counts, expected)
     assert pval < FAIL_P, (stat, df)
+
+
+# --- sampled trees (eagle2 with top-k > 1 at T > 0) ----------------------------------------------
+SAMPLED_TREE_CFG = TreeConfig("eagle2", total_tokens=8, depth=3, top_k=3)
+
+
+WIDE_TREE = TreeConfig("eagle2", total_tokens=9, depth=2, top_k=4)  # the root has 4 sampled children
+
+
+@pytest.mark.parametrize("cfg, greedy_every, fixed_shapes, sharpness, tree", [
+    (SamplingConfig(temperature=1.0, top_p=0.9), 0, False, 1.0, SAMPLED_TREE_CFG),
+    (SamplingConfig(temperature=0.8, top_k=3), 4, True, 1.0, WIDE_TREE),
+    (SamplingConfig(temperature=1.0), 0, False, 10.0, WIDE_TREE),
+], ids=["t1-topp0.9-8,3,3", "t0.8-topk3-mixed-fixed-9,2,4", "t1-sharpness10-9,2,4"])
+def test_sampled_tree_lossless(small_target, cfg, greedy_every, fixed_shapes, sharpness, tree):
+    """Sibling drafts drawn from the head's q without replacement (tree.sampled_layout's shape),
+    verified by the p/q rounds that remove each rejected draft from q: the target's distribution,
+    greedy rows in the same batch equal to greedy vanilla. With top-k 3 a node's q holds three
+    tokens, fewer than four siblings: the fourth draws from no mass and is never accepted."""
+    expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
+    n = 1500
+    counts, accepted, greedy = chain_engine(small_target, cfg, n, greedy_every, fixed_shapes, sharpness, tree)
+    pval, stat, df = chi_square_pvalue(counts, expected)
+    assert df >= 15, df
+    assert pval > PASS_P, (stat, df)
+    assert accepted > 0.1 * n  # a random head's q (a tenth even when sharpened tenfold)
+    want = vanilla(small_target, [PROMPT], [NEW])[0].tokens
+    assert all(engine_tokens(r) == want for r in greedy)
+
+
+def test_sampled_tree_beats_its_chain_and_the_top_k_tree(small_target, monkeypatch):
+    """What the sampled siblings are for: more accepted drafts than the chain of the same depth
+    (later siblings catch what the first missed) and than the reranked top-k tree verified with
+    q = 1 (SAMPLED_TREES off), on the same requests."""
+    cfg = SamplingConfig(temperature=1.0)
+    chain = TreeConfig("eagle2", total_tokens=4, depth=3, top_k=1)
+    accepted = {name: chain_engine(small_target, cfg, 300, tree=t)[1]
+                for name, t in (("chain", chain), ("tree", SAMPLED_TREE_CFG))}
+    monkeypatch.setattr(propose_mod, "SAMPLED_TREES", False)
+    top_k = chain_engine(small_target, cfg, 300, tree=SAMPLED_TREE_CFG)[1]
+    assert accepted["tree"] > 1.1 * max(accepted["chain"], top_k), (accepted, top_k)
+
+
+def test_sampled_tree_statistic_has_power(small_target, monkeypatch):
+    """WRONG: siblings drawn *with* replacement (each from the whole q) while verification removes
+    each rejected draft from q. With a sharp q (the lossless case "t1-sharpness10-9,2,4") the
+    later siblings repeat the rejected first one, and verification then takes the residual of a q
+    they were not drawn from: rejected by the same statistic. (With a flat q the error is a few
+    percent of an output's probability, beyond what 600 samples see.)"""
+    cfg = SamplingConfig(temperature=1.0)
+    expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
+    monkeypatch.setattr(propose_mod, "_without", lambda q, x: q)
+    counts, _, _ = chain_engine(small_target, cfg, 600, sharpness=10.0, tree=WIDE_TREE)
+    pval, stat, df = chi_square_pvalue(counts, expected)
+    assert pval < FAIL_P, (stat, df)
+
+
+def test_sampled_tree_drafts_come_from_q_without_replacement(small_target):
+    """The proposer's sampled tree: tree.sampled_layout's shape; each sibling is the draw of its
+    DRAFT uniform (id parent * max_children + rank) from its parent's q with the earlier siblings
+    removed and renormalised; q is stored per parent; a greedy row gets the layout's top-k tokens."""
+    head = init_random_head(small_target.config, seed=3)
+    cfg = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=4)
+    p = Proposer(head, small_target, cfg)
+    layout = static_layout(sampled_layout(12, 3, 4))
+    configs = [SamplingConfig(1.0, seed=7), SamplingConfig(), SamplingConfig(0.7, top_p=0.95, seed=8)]
+    sampling = RowSampling.from_configs(configs, "cpu")
+    b = len(configs)
+    cache = RowKVCache(head.cache_layers, head.config.num_kv_heads, head.config.head_dim, 32, b, head.fc.weight.dtype, "cpu")
+    tokens = torch.tensor([[1, 2, 3]] * b)
+    feats = torch.randn(b, 3, small_target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = p.commit(cache, torch.zeros(b, dtype=torch.long), tokens, feats, torch.full((b,), 3), 3 + 3)
+        step = torch.tensor([5, 5, 9])
+        tree = p.propose(cache, torch.tensor([4, 4, 4]), hidden, torch.full((b,), 12), 3 + p.scratch, sampling, step)
+        top = p._static(cache, torch.tensor([4, 4, 4]), hidden, 3 + p.scratch, p._sampled_plan)[0]
+    assert tree.parents[0].tolist() == layout.parents and tree.depth[0].tolist() == layout.depth
+    assert max(layout.ranks) == 3 and max(layout.depth) == 3
+    q = tree.draft_probs
+    inner = sorted(set(layout.parents[1:]))
+    leaves = [i for i in range(12) if i not in inner]
+    assert torch.all(q[:, leaves] == 0) and torch.allclose(q[:, inner].sum(-1), torch.ones(b, len(inner)))
+    for r in (0, 2):
+        for parent in inner:
+            left = q[r, parent]
+            kids = [i for i in range(12) if layout.parents[i] == parent]
+            for rank, i in enumerate(kids):
+                u = uniforms(sampling.seed[r:r + 1], step[r:r + 1], torch.tensor([parent * p.max_children + rank]), DRAFT)
+                assert int(tree.tokens[r, i]) == int(draw(left[None], u)[0])
+                left = left.clone()
+                left[tree.tokens[r, i]] = 0
+                left = left / left.sum()
+            assert len({int(tree.tokens[r, i]) for i in kids}) == len(kids)
+    assert tree.tokens[1].tolist() == top[1].tolist()
 
 
 # --- regression: idle rows ------------------------------------------------------------------------------

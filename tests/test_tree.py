@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from eaglespec.config import EAGLE1_CHOICES, TreeConfig
 from eaglespec.draft import Drafter, init_random_head
-from eaglespec.tree import Tree, chain, load_choices, rerank, static_layout, truncate_layout
+from eaglespec.tree import Tree, chain, load_choices, rerank, sampled_layout, static_layout, truncate_layout
 
 from spec_helpers import single_thread
 from tiny import tiny_config, tiny_model
@@ -138,6 +138,34 @@ def test_static_layout_errors(choices, msg):
 
 
 # --- choices files ---------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(1, 6))
+def test_sampled_layout_invariants(total, depth, top_k):
+    """A sampled tree's shape: as many paths as asked (or the whole tree of that depth and width),
+    within depth and top-k, closed under parents and under earlier siblings (ranks 0..m-1: the
+    order siblings are drawn and verified in), and a chain when top-k is 1."""
+    paths = sampled_layout(total, depth, top_k)
+    full = sum(top_k ** d for d in range(1, depth + 1))
+    assert len(paths) == min(total - 1, full)
+    have = {tuple(c) for c in paths}
+    assert len(have) == len(paths)
+    for c in have:
+        assert 1 <= len(c) <= depth and max(c) < top_k
+        assert len(c) == 1 or c[:-1] in have
+        assert c[-1] == 0 or c[:-1] + (c[-1] - 1,) in have
+    if top_k == 1:
+        assert sorted(have) == [(0,) * d for d in range(1, len(paths) + 1)]
+    static_layout(paths)  # a valid layout
+
+
+def test_sampled_layout_follows_the_acceptance_by_rank():
+    """The most likely paths first: with a first draft accepted half the time and later siblings
+    rarely, chains grow before siblings; with every rank equally likely, siblings come first."""
+    assert sampled_layout(6, 5, 4, accept=(0.6, 0.1)) == [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert sampled_layout(5, 3, 4, accept=(0.3,)) == [[0], [1], [2], [3]]
+    assert sampled_layout(5, 3, 4, accept=(0.3, 0.1)) == [[0], [0, 0], [1], [2]]
+
+
 def test_load_choices_ok(tmp_path):
     f = tmp_path / "tree.json"
     f.write_text(json.dumps([[0], [1], [0, 0]]))

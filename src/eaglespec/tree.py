@@ -8,6 +8,7 @@ and `depth` (position = context length + depth).
 
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,41 @@ def static_layout(choices: list[list[int]]) -> StaticLayout:
         ranks.append(c[-1])
         depth.append(len(c))
     return StaticLayout(parents, ranks, depth, [list(c) for c in ordered])
+
+
+# Sampled drafts (T > 0): how often a node's r-th child, drawn from the head's q without
+# replacement after children 0..r-1 were drawn and rejected, is accepted (speculative sampling's
+# min(1, p/q) round on what is left of p and q). Rank 0 is a chain's sum(min(p, q)) at the
+# shipped head's depths 1-3 (README "Session 24"); the later ranks were counted in verification
+# (README "Session 25: sampled trees").
+SAMPLED_ACCEPT = (0.55, 0.3, 0.2, 0.15)
+
+
+def sampled_layout(total_tokens: int, depth: int, top_k: int,
+                   accept: tuple[float, ...] = SAMPLED_ACCEPT) -> list[list[int]]:
+    """The fixed tree shape for drafts sampled from q (EAGLE-2's reranked tree depends on the
+    drafted values, and verification is exact for sampled drafts only when the shape does not):
+    the total_tokens - 1 paths most likely to be accepted, a child of rank r reached with
+    prod(1 - accept[j], j < r) * accept[r] (the last entry repeats), at most `depth` deep and
+    `top_k` children per node. Children are added rank by rank, so siblings are always ranks
+    0..m-1: verification tries them in that order, removing each rejected draft from q, which is
+    how they were drawn. top_k 1 gives the chain of min(total_tokens - 1, depth) nodes."""
+    def reach(r: int) -> float:
+        miss = 1.0
+        for j in range(r):
+            miss *= 1.0 - accept[min(j, len(accept) - 1)]
+        return miss * accept[min(r, len(accept) - 1)]
+
+    paths: list[list[int]] = []
+    frontier = [(-reach(0), (0,))]  # a heap of (-value, path): each node's next sibling and first child
+    while frontier and len(paths) < total_tokens - 1:
+        neg, path = heapq.heappop(frontier)
+        paths.append(list(path))
+        if path[-1] + 1 < top_k:
+            heapq.heappush(frontier, (neg / reach(path[-1]) * reach(path[-1] + 1), path[:-1] + (path[-1] + 1,)))
+        if len(path) < depth:
+            heapq.heappush(frontier, (neg * reach(0), path + (0,)))
+    return paths
 
 
 def truncate_layout(layout: StaticLayout, size: int) -> StaticLayout:

@@ -15,10 +15,13 @@ A node attends to the committed slots, the scratch slots of its drafted ancestor
 Scratch layout: EAGLE-2 puts the K frontier nodes of depth d at s = (d - 1) * K + j; EAGLE-1 puts
 the layout's inner (non-leaf, non-root) nodes one after another, depth by depth.
 
-Drafts are the head's top-k tokens, which verification treats as q(x) = 1 (EAGLE-2). The one
-exception is an EAGLE-2 chain (top-k 1) for sampled rows: its shape does not depend on the drafted
-values, so its tokens are drawn from the head's distribution q and kept in `draft_probs` for the
-p/q rule, which accepts sum(min(p, q)) at each depth instead of p(top-1 token).
+Drafts are the head's top-k tokens, which verification treats as q(x) = 1 (EAGLE-2). The
+exception is an EAGLE-2 tree for sampled rows. A chain (top-k 1) has a shape that does not depend
+on the drafted values, so its tokens are drawn from the head's distribution q and kept in
+`draft_probs` for the p/q rule, which accepts sum(min(p, q)) at each depth instead of p(top-1
+token). A wider one (top-k > 1) is replaced by a fixed shape of the same size (tree.sampled_layout)
+whose siblings are drawn from q without replacement, which the same p/q rounds verify exactly
+(EAGLE-2's rerank would make the shape depend on the drawn values, and the draws biased).
 
 On a CPU with int8 drafting of a one-layer EAGLE-1/2 head, `commit`, `propose` (EAGLE-1 and
 EAGLE-2) and the sampled chains of temperature-only rows each run as one call of csrc/draft_runner.cpp (the same
@@ -39,7 +42,7 @@ from ..draft import DraftHead, Head
 from ..kernels import ops_kernel
 from ..kv_cache import RowKVCache, row_attention_mask
 from ..model import Transformer
-from ..tree import static_layout
+from ..tree import StaticLayout, sampled_layout, static_layout
 from .draft_quant import int8_head, int8_linear
 from .rng import DRAFT, draw, uniforms
 from .sampling import RowSampling, row_probabilities
@@ -56,6 +59,7 @@ class _Level:
     anc: torch.Tensor  # [R, S] bool: scratch slots of their drafted ancestors and their own
     first: int  # their scratch slots are first + 0..R-1
     width: int  # top-k width their children need (highest child rank + 1)
+    start: int  # node id of the level's first node (a level's nodes are consecutive)
 
 
 @dataclass
@@ -83,6 +87,64 @@ class _Frame:
         """row_attention_mask(committed, committed, anc, view_len): anc [B, T, S] -> [B, T, V]."""
         b, t, _ = anc.shape
         return self.visible | (self.in_block & torch.gather(anc, 2, self.offset.expand(b, t, -1)))
+
+
+@dataclass
+class _StaticPlan:
+    """A fixed tree shape (an EAGLE-1 layout, or tree.sampled_layout's) as the index tensors its
+    drafting runs on: the nodes of each depth that go through the head, their scratch slots, and
+    where each node's token sits in its parent level's table of children."""
+
+    levels: list[_Level]
+    root_width: int  # children the root needs (highest child rank + 1)
+    scratch: int  # scratch slots: one per non-root node with children
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # parents [1, N], depth [1, N], ancestors [1, N, N]
+    budget: int
+    max_depth: int
+    max_children: int
+    native_args: tuple  # the layout as csrc/draft_runner.cpp's propose_static takes it
+    widest: int  # the most nodes of one head forward
+
+    @classmethod
+    def of(cls, layout: StaticLayout, dev: torch.device, scratch: int = 0) -> "_StaticPlan":
+        """scratch: the width of the draft's scratch block when it is wider than this layout needs
+        (the proposer's other tree shares the block)."""
+        par, n = layout.parents, len(layout.parents)
+        max_children = max(sum(1 for p in par if p == i) for i in range(n))
+        need = [0] * n  # top candidates each node must supply = highest child rank + 1
+        for i in range(1, n):
+            need[par[i]] = max(need[par[i]], layout.ranks[i] + 1)
+        runs = [[0]]  # node ids through the head, per depth (depth 0: the root, run by the caller)
+        slot: dict[int, int] = {}
+        levels: list[list[int]] = []
+        for d in range(1, layout.max_depth + 1):
+            nodes = [i for i in range(n) if layout.depth[i] == d]
+            assert nodes == list(range(nodes[0], nodes[0] + len(nodes))), "static_layout orders nodes by depth"
+            levels.append(nodes)
+            runs.append([i for i in nodes if need[i]])
+            for i in runs[-1]:
+                slot[i] = len(slot)
+        out: list[_Level] = []
+        for d, nodes in enumerate(levels, 1):
+            prev, run = runs[d - 1], runs[d]
+            w_prev = max(need[i] for i in prev)
+            anc = torch.zeros(len(run), max(len(slot), scratch), dtype=torch.bool)
+            for r, i in enumerate(run):
+                while i != 0:
+                    anc[r, slot[i]] = True
+                    i = par[i]
+            out.append(_Level(
+                src=torch.tensor([prev.index(par[i]) * w_prev + layout.ranks[i] for i in nodes], device=dev),
+                run=torch.tensor([nodes.index(i) for i in run], dtype=torch.long, device=dev),
+                hid=torch.tensor([prev.index(par[i]) for i in run], dtype=torch.long, device=dev),
+                anc=anc.to(dev), first=slot[run[0]] if run else 0, width=max((need[i] for i in run), default=0),
+                start=nodes[0]))
+        parents = torch.tensor(par, device=dev)[None]  # [1, N]
+        depth, ancestors = ancestors_from_parents(parents, layout.max_depth)
+        native_args = ([x.src for x in out], [x.run for x in out], [x.hid for x in out],
+                       [x.anc.contiguous() for x in out], [x.first for x in out], [x.width for x in out])
+        return cls(out, need[0], max(len(slot), scratch), (parents, depth, ancestors), n, layout.max_depth, max_children,
+                   native_args, max((x.run.numel() for x in out), default=0))
 
 
 class Proposer:
@@ -122,50 +184,19 @@ class Proposer:
             # head's distribution q and be verified by the p/q rule: acceptance sum(min(p, q)) at
             # each depth instead of p(top-1 token), far higher where the target is uncertain.
             self.samples_chain = self.k == 1 and self.max_depth >= 1
+            # Wider trees for sampled rows: a fixed shape (tree.sampled_layout) whose children are
+            # drawn from q without replacement, verified exactly by the same p/q rounds.
+            self._sampled_plan = None
+            if self.k > 1 and self.max_depth >= 1:
+                layout = static_layout(sampled_layout(self.budget, self.max_depth, self.k))
+                self._sampled_plan = _StaticPlan.of(layout, dev, self.scratch)
+                self.scratch = self._sampled_plan.scratch
             return
-        self.samples_chain = False
+        self.samples_chain, self._sampled_plan = False, None
         # EAGLE-1: a reduced vocabulary may hold fewer tokens than a node's rank asks for: drop such paths.
-        layout = static_layout([c for c in tree_cfg.choices if max(c) < vocab])
-        par, n = layout.parents, len(layout.parents)
-        self.budget, self.max_depth = n, layout.max_depth
-        self.max_children = max(sum(1 for p in par if p == i) for i in range(n))
-        need = [0] * n  # top candidates each node must supply = highest child rank + 1
-        for i in range(1, n):
-            need[par[i]] = max(need[par[i]], layout.ranks[i] + 1)
-        runs = [[0]]  # node ids through the head, per depth (depth 0: the root, run by the caller)
-        slot: dict[int, int] = {}
-        levels: list[list[int]] = []
-        for d in range(1, self.max_depth + 1):
-            nodes = [i for i in range(n) if layout.depth[i] == d]
-            assert nodes == list(range(nodes[0], nodes[0] + len(nodes))), "static_layout orders nodes by depth"
-            levels.append(nodes)
-            runs.append([i for i in nodes if need[i]])
-            for i in runs[-1]:
-                slot[i] = len(slot)
-        self.scratch = len(slot)
-        self._root_width = need[0]
-        self._levels: list[_Level] = []
-        for d, nodes in enumerate(levels, 1):
-            prev, run = runs[d - 1], runs[d]
-            w_prev = max(need[i] for i in prev)
-            anc = torch.zeros(len(run), self.scratch, dtype=torch.bool)
-            for r, i in enumerate(run):
-                while i != 0:
-                    anc[r, slot[i]] = True
-                    i = par[i]
-            self._levels.append(_Level(
-                src=torch.tensor([prev.index(par[i]) * w_prev + layout.ranks[i] for i in nodes], device=dev),
-                run=torch.tensor([nodes.index(i) for i in run], dtype=torch.long, device=dev),
-                hid=torch.tensor([prev.index(par[i]) for i in run], dtype=torch.long, device=dev),
-                anc=anc.to(dev), first=slot[run[0]] if run else 0, width=max((need[i] for i in run), default=0)))
-        parents = torch.tensor(par, device=dev)[None]  # [1, N]
-        depth, ancestors = ancestors_from_parents(parents, self.max_depth)
-        self._tree = (parents, depth, ancestors)
-        # The layout as csrc/draft_runner.cpp's propose_static takes it, and its widest head forward.
-        lv = self._levels
-        self._static_args = ([x.src for x in lv], [x.run for x in lv], [x.hid for x in lv],
-                             [x.anc.contiguous() for x in lv], [x.first for x in lv], [x.width for x in lv])
-        self._widest = max((x.run.numel() for x in lv), default=0)
+        self._plan = _StaticPlan.of(static_layout([c for c in tree_cfg.choices if max(c) < vocab]), dev)
+        self.budget, self.max_depth = self._plan.budget, self._plan.max_depth
+        self.max_children, self.scratch = self._plan.max_children, self._plan.scratch
 
     # --- committing real pairs ---------------------------------------------------------------
     def commit(self, cache: RowKVCache, committed: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor,
@@ -200,19 +231,20 @@ class Proposer:
 
         room [B]: most nodes the row may hold (root included); nodes past it are marked invalid.
         view_len >= max(cache.lengths) + scratch. cache.lengths is left unchanged.
-        sampling, step [B] (the rows' settings and step counters): when some row samples and the
-        tree is a chain, its tokens are drawn from the head (`_sampled_chain`); else top-k drafts.
+        sampling, step [B] (the rows' settings and step counters): when some row samples, an
+        eagle2 chain's tokens are drawn from the head (`_sampled_chain`), and an eagle2 tree with
+        top-k > 1 becomes the fixed sampled layout whose children are drawn from it (`_static`
+        with sampling); else top-k drafts. Greedy rows of such a batch take the top-k tokens.
         """
         b, n = root_token.shape[0], self.budget
         probs = None
+        sampled = sampling is not None and not sampling.all_greedy
         self._frame = _Frame.of(cache.lengths, self.scratch, view_len)
         if n == 1:
             parents = torch.full((b, 1), -1, dtype=torch.long, device=root_token.device)
             tokens, (depth, ancestors) = root_token[:, None], ancestors_from_parents(parents, 0)
-        elif self.samples_chain and sampling is not None and not sampling.all_greedy:
-            # Drafts are drawn at temperature T / sharpness: softmax(sharpness * logits / T).
-            drafting = sampling if self.sharpness == 1.0 else replace(
-                sampling, temperature=sampling.temperature / self.sharpness)
+        elif self.samples_chain and sampled:
+            drafting = self._drafting(sampling)
             native = None if sampling.any_top_k or sampling.any_top_p else self._native_args(cache, 1, view_len)
             if native is not None:  # temperature-only rows: one C++ call, `_sampled_chain`'s draws bit for bit
                 tokens, probs = self._native.sample_chain(
@@ -223,7 +255,7 @@ class Proposer:
                 tokens, probs = self._sampled_chain(cache, root_token, root_hidden, view_len, drafting, step)
             parents = torch.arange(-1, n - 1, device=tokens.device).expand(b, n)
             depth, ancestors = ancestors_from_parents(parents, self.max_depth)
-        elif self.method == "eagle2":
+        elif self.method == "eagle2" and not (self._sampled_plan is not None and sampled and SAMPLED_TREES):
             native = self._native_args(cache, self.k, view_len)
             if native is not None:  # one C++ call (csrc/draft_runner.cpp): `_dynamic`'s trees, bit for bit
                 tokens, parents, depth, ancestors = self._native.propose(
@@ -232,17 +264,29 @@ class Proposer:
             else:
                 tokens, parents = self._dynamic(cache, root_token, root_hidden, view_len)
                 depth, ancestors = ancestors_from_parents(parents, self.max_depth)
+        elif self.method == "eagle2":  # sampled rows, top-k > 1: the fixed sampled layout, drawn from q
+            plan = self._sampled_plan
+            tokens, probs = self._static(cache, root_token, root_hidden, view_len, plan, self._drafting(sampling), step)
+            parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in plan.tree)
         else:
-            native = self._native_args(cache, self._widest, view_len)
+            plan = self._plan
+            native = self._native_args(cache, plan.widest, view_len)
             if native is not None:  # one C++ call (csrc/draft_runner.cpp): `_static`'s tokens, bit for bit
                 tokens = self._native.propose_static(cache.k, cache.v, cache.lengths, root_token, root_hidden,
-                                                     self._root_width, *self._static_args, self.scratch, view_len,
+                                                     plan.root_width, *plan.native_args, self.scratch, view_len,
                                                      *native)
             else:
-                tokens = self._static(cache, root_token, root_hidden, view_len)
-            parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in self._tree)
+                tokens = self._static(cache, root_token, root_hidden, view_len, plan)[0]
+            parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in plan.tree)
         valid = torch.arange(n, device=tokens.device)[None] < room[:, None]
         return BatchTree(tokens, parents, depth, ancestors, valid, self.max_depth, probs)
+
+    def _drafting(self, sampling: RowSampling) -> RowSampling:
+        """The rows' settings drafts are drawn under: temperature T / sharpness, so q is
+        softmax(sharpness * logits / T) (draft.parse_draft_sharpness)."""
+        if self.sharpness == 1.0:
+            return sampling
+        return replace(sampling, temperature=sampling.temperature / self.sharpness)
 
     def _native_args(self, cache: RowKVCache, rows: int, view_len: int) -> tuple[float, bool] | None:
         """The attention's (scale, amx) where the draft runner takes a head forward of `rows` nodes
@@ -319,22 +363,60 @@ class Proposer:
         cache.prepare(frame.slots[:, first:first + t], view_len)
         return self.head.step(self.target.embed(tokens), parent_hidden, pos, cache, frame.mask(anc))  # [B, T, H]
 
-    def _static(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor,
-                view_len: int) -> torch.Tensor:
-        """EAGLE-1 (Drafter._draft_static): node i's token is child rank[i] of its parent's top list."""
+    def _static(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor, view_len: int,
+                plan: _StaticPlan, sampling: RowSampling | None = None,
+                step: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """EAGLE-1 (Drafter._draft_static): node i's token is child rank[i] of its parent's top list.
+
+        sampling, step: sampled rows draw their children from q instead (`_children`). Returns
+        tokens [B, N] and, when sampling, draft_probs [B, N, V] (row i: the q node i's children
+        were drawn from; zeros at leaves), else None."""
         b = root_token.shape[0]
-        top = self._top(root_hidden[:, None], self._root_width)[1]  # [B, 1, W0] the root's top list
+        probs = None
+        if sampling is not None:
+            probs = torch.zeros(b, plan.budget, self.target.config.vocab_size, device=root_token.device)
+        root = torch.zeros(1, dtype=torch.long, device=root_token.device)
+        top = self._children(root_hidden[:, None], plan.root_width, root, plan.max_children, sampling, step, probs)
         hidden = root_hidden[:, None]  # [B, R, H] outputs of the previous depth's run nodes
         tokens = [root_token[:, None]]
-        for d, lv in enumerate(self._levels, 1):
+        for d, lv in enumerate(plan.levels, 1):
             level = top.flatten(1).index_select(1, lv.src)  # [B, L]
             tokens.append(level)
             if lv.run.numel() == 0:  # the deepest level: leaves only
                 break
             hidden = self._run(cache, level.index_select(1, lv.run), hidden.index_select(1, lv.hid),
                                lv.anc.expand(b, -1, -1), lv.first, d, view_len)  # [B, R, H]
-            top = self._top(hidden, lv.width)[1]  # [B, R, W]
-        return torch.cat(tokens, dim=1)  # [B, N]
+            top = self._children(hidden, lv.width, lv.start + lv.run, plan.max_children, sampling, step, probs)
+        return torch.cat(tokens, dim=1), probs  # [B, N]
+
+    def _children(self, hidden: torch.Tensor, width: int, nodes: torch.Tensor, max_children: int,
+                  sampling: RowSampling | None, step: torch.Tensor | None,
+                  probs: torch.Tensor | None) -> torch.Tensor:
+        """The children table of R nodes (ids `nodes` [R], outputs hidden [B, R, H]): [B, R, width]
+        target ids. Greedy rows (and every row when sampling is None) take the top-`width` drafts.
+        Sampled rows draw them from q = the head's distribution under the row's settings, without
+        replacement: rank r from q with ranks 0..r-1 removed and renormalised, which is the q that
+        verification holds when it reaches rank r (it removes each rejected draft the same way).
+        The draw of rank r below node i uses the DRAFT uniform of id i * max_children + r; q is
+        stored in probs[:, nodes] over the target vocabulary."""
+        if sampling is None:
+            return self._top(hidden, width)[1]
+        b, r, _ = hidden.shape
+        logits = self._logits(hidden)  # [B, R, Vd]
+        top = self._top(hidden, width, logits)[1]
+        q = row_probabilities(logits, sampling)  # [B, R, Vd]
+        ids = self._draft_ids.expand(b * r, -1)
+        probs[:, nodes] = torch.zeros(b * r, probs.shape[-1], device=q.device).scatter_(
+            1, ids, q.flatten(0, 1)).view(b, r, -1)
+        left = q.flatten(0, 1)  # [B*R, Vd]
+        drawn = []
+        for rank in range(width):
+            u = uniforms(sampling.seed, step, (nodes * max_children + rank).expand(b, r), DRAFT)  # [B, R]
+            x = draw(left, u.flatten())  # [B*R] draft ids
+            drawn.append(self._draft_ids[x].view(b, r))
+            if rank + 1 < width:
+                left = _without(left, x)
+        return torch.where(sampling.greedy[:, None, None], top, torch.stack(drawn, -1))
 
     def _dynamic(self, cache: RowKVCache, root_token: torch.Tensor, root_hidden: torch.Tensor,
                  view_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,6 +463,14 @@ class Proposer:
         return tokens, parents
 
 
+def _without(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """q [R, V] with token x [R] removed and renormalised, as verification updates q after it
+    rejects x (rows with no mass left stay zero: their later drafts are never accepted)."""
+    q = q.scatter(1, x[:, None], 0.0)
+    total = q.sum(-1, keepdim=True)
+    return torch.where(total > 0, q / total, q)
+
+
 def native_runner(head: Head, target: Transformer, lm_head, draft_ids: torch.Tensor):
     """csrc/draft_runner.cpp's DraftRunner for this head, or None where it does not apply: it runs
     a one-layer EAGLE-1/2 head on a CPU in bf16 whose fc, layer and LM-head products are all int8
@@ -406,3 +496,7 @@ def native_runner(head: Head, target: Transformer, lm_head, draft_ids: torch.Ten
 # Whether drafting takes csrc/draft_runner.cpp where it applies (tests of the torch-op path and A/B
 # scripts turn it off).
 NATIVE = True
+
+# Whether sampled rows of an eagle2 tree with top-k > 1 draft the fixed sampled layout drawn from q
+# (else the reranked top-k tree, verified with q(x) = 1; A/B scripts switch it per arm).
+SAMPLED_TREES = True
