@@ -52,12 +52,14 @@ def test_choose_picks_most_tokens_per_second():
     ({"greedy": {"2,1": 1.5}}, "not a tree"),
     ({"greedy": {"2,1,1": 2.5}}, r"in \[1, depth \+ 1\]"),
     ({"greedy": {"2,1,1": "1.5"}}, r"in \[1, depth \+ 1\]"),
-    ({"sampled": {"4,2,2": 1.5}}, "draft chains"),
+    ({"sampled": {"4,2,2": 3.5}}, r"in \[1, depth \+ 1\]"),
 ])
 def test_bad_tau_tables_are_refused(raw, match):
     with pytest.raises(ConfigError, match=match):
         parse_tree_tau(raw, "head x")
     assert parse_tree_tau(TAUS, "head x") == TAUS
+    # Sampled requests take trees too (spec/propose.py's sampled layouts), not only chains.
+    assert parse_tree_tau({"sampled": {"4,2,2": 1.8}}, "head x") == {"sampled": {"4,2,2": 1.8}}
 
 
 def test_head_config_carries_its_table(models, tmp_path):

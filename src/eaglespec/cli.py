@@ -64,7 +64,9 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
                         f"under --quant int4/int8; a sampled request's chain: its size - 1)")
     p.add_argument("--topk", type=int, default=None,
                    help=f"eagle2 children per expanded node, 1..{MAX_TREE_TOPK} (default {d.top_k}; "
-                        f"{QUANT_TREE['top_k']} under --quant int4/int8; 1 for sampled requests)")
+                        f"{QUANT_TREE['top_k']} under --quant int4/int8; 1 for sampled requests; a sampled "
+                        "request's tree with top-k > 1 is a fixed layout of that size whose siblings are drawn "
+                        "from the head)")
     p.add_argument("--tree-choices", default=None, help="eagle static tree: JSON list of paths")
 
 

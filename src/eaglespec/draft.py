@@ -302,11 +302,12 @@ def load_head(path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.
 
 
 def parse_draft_sharpness(raw: object, where: str) -> float:
-    """A head's `draft_sharpness` s: sampled chains draw their drafts from softmax(s * logits / T)
-    instead of softmax(logits / T). Any q keeps the output's distribution exact (verification
-    uses the q each draft was drawn from); s only moves the acceptance sum(min(p, q)), and a
-    head trained on soft targets is often less confident than the target, where s > 1 raises
-    it (measured with scripts/head_acceptance.py). A clear error unless a number in (0, 10]."""
+    """A head's `draft_sharpness` s: sampled drafts (chains and sampled trees) are drawn from
+    softmax(s * logits / T) instead of softmax(logits / T). Any q keeps the output's distribution
+    exact (verification uses the q each draft was drawn from); s only moves the acceptance
+    sum(min(p, q)), and a head trained on soft targets is often less confident than the target,
+    where s > 1 raises it (measured with scripts/head_acceptance.py). A clear error unless a
+    number in (0, 10]."""
     if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw <= 10:
         raise ConfigError(f"{where}: draft_sharpness must be a number in (0, 10], got {raw!r}")
     return float(raw)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KINDS = ("greedy", "sampled")  # T = 0 and T > 0 (sampled requests draft chains: top_k 1)
+KINDS = ("greedy", "sampled")  # T = 0 and T > 0 (sampled requests draft chains and sampled layouts)
 CACHE_VERSION = 1
 
 
@@ -79,8 +79,6 @@ def parse_tree_tau(raw: object, where: str) -> dict[str, dict[str, float]]:
                 tree = _tree(key)
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{where}: tree_tau[{kind!r}] key {key!r} is not a tree 'n,d,k' ({e})") from None
-            if kind == "sampled" and tree.top_k != 1:
-                raise ConfigError(f"{where}: sampled requests draft chains; tree {key!r} has top_k {tree.top_k}")
             if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 1.0 <= tau <= tree.depth + 1:
                 raise ConfigError(f"{where}: tree_tau[{kind!r}][{key!r}] must be a number in [1, depth + 1], "
                                   f"got {tau!r}")

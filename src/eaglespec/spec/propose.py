@@ -159,7 +159,7 @@ class Proposer:
         """int8: draft with weight-only int8 products (spec/draft_quant.py; CPU), which changes
         only which tokens are proposed, never the output."""
         self.head, self.target, self.method = head, target, tree_cfg.method
-        # Sampled chains draw from softmax(sharpness * logits / T) (draft.parse_draft_sharpness).
+        # Sampled drafts are drawn from softmax(sharpness * logits / T) (draft.parse_draft_sharpness).
         self.sharpness = float(getattr(head, "draft_sharpness", 1.0))
         self._frame: _Frame | None = None  # set by each propose for its head forwards
         # [Vd, H], in the head's dtype: drafting runs in the head's precision whatever the target's LM head is.
