@@ -106,8 +106,8 @@ def static_layout(choices: list[list[int]]) -> StaticLayout:
 # Sampled drafts (T > 0): how often a node's r-th child, drawn from the head's q without
 # replacement after children 0..r-1 were drawn and rejected, is accepted (speculative sampling's
 # min(1, p/q) round on what is left of p and q). Counted in verification with the shipped head
-# on 30 MT-bench first turns at T=1, depths 0-2 (README "Session 25: sampled trees"): rank 0
-# 0.49-0.50, rank 1 0.21-0.29, rank 2 0.12-0.17, rank 3 0.08-0.12.
+# on 30 MT-bench first turns at T=1, depths 0-2 (scripts/sibling_acceptance.py; README "Session
+# 25: sampled trees"): rank 0 0.49-0.50, rank 1 0.21-0.29, rank 2 0.12-0.17, rank 3 0.08-0.12.
 SAMPLED_ACCEPT = (0.5, 0.22, 0.14, 0.1)
 
 
