@@ -39,7 +39,7 @@ class Counting:
 
     def __getattr__(self, name: str):
         attr = getattr(self.runner, name)
-        if name not in ("commit", "propose", "propose_static", "sample_chain"):
+        if name not in ("commit", "propose", "propose_static", "sample_chain", "sample_static"):
             return attr
 
         def counted(*args):
@@ -135,11 +135,12 @@ def test_native_drafting_is_the_torch_ops_bits(models, a8, method, shape, reduce
     assert int(fast[-2][3].max()) >= 2, "real trees: deeper than one level"
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1), (3, 2, 1), (6, 5, 1)])
+@pytest.mark.parametrize("shape", [(2, 1, 1), (3, 2, 1), (6, 5, 1), (4, 2, 2), (9, 2, 4), (12, 4, 4)])
 @pytest.mark.parametrize("reduced, sharpness", [(False, 1.0), (True, 1.0), (True, 1.3)])
 def test_native_sampled_chains_are_the_torch_ops_draws(models, a8, shape, reduced, sharpness):
     """Sampled rows (two temperatures) beside a greedy one: the same drafted tokens and the same q
-    (with a head's draft_sharpness too)."""
+    (with a head's draft_sharpness too), for chains and for sampled trees (siblings drawn without
+    replacement)."""
     target, head = models
     if reduced:
         head = copy.deepcopy(head)
@@ -151,14 +152,21 @@ def test_native_sampled_chains_are_the_torch_ops_draws(models, a8, shape, reduce
     tree_cfg = TreeConfig("eagle2", *shape)
     fast, fast_cache, counting = drive(target, head, tree_cfg, native=True, sampling=sampling)
     slow, slow_cache, none = drive(target, head, tree_cfg, native=False, sampling=sampling)
-    assert counting.calls == {"commit": 5, "sample_chain": 4} and none.calls == {}
+    assert counting.calls == {"commit": 5, "sample_chain" if shape[2] == 1 else "sample_static": 4}
+    assert none.calls == {}
     for a, b in zip(fast, slow, strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
     for x, y in zip(fast_cache, slow_cache, strict=True):
         assert torch.equal(x, y)
-    probs = fast[-2][-1]  # [B, N, V]: the sampled rows' q sums to 1 below every inner node
-    assert probs.shape == (3, shape[0], 96) and torch.allclose(probs[:, :-1].sum(-1), torch.ones(3, shape[0] - 1))
+    probs, parents = fast[-2][-1], fast[-2][2]  # [B, N, V]: q sums to 1 below every inner node, else 0
+    inner = torch.zeros(3, shape[0], dtype=torch.bool).scatter_(1, parents[:, 1:], True)
+    assert probs.shape == (3, shape[0], 96)
+    assert torch.allclose(probs.sum(-1), inner.float())
+    if shape[2] > 1:  # siblings are distinct draws
+        for r in range(3):
+            kids = parents[r] == 0
+            assert fast[-2][1][r][kids].unique().numel() == int(kids.sum()) > 1
 
 
 def test_ties_break_to_the_earlier_child(models, a8, monkeypatch):

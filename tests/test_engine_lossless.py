@@ -763,7 +763,8 @@ def test_sampled_tree_statistic_has_power(small_target, monkeypatch):
 def test_sampled_tree_drafts_come_from_q_without_replacement(small_target):
     """The proposer's sampled tree: tree.sampled_layout's shape; each sibling is the draw of its
     DRAFT uniform (id parent * max_children + rank) from its parent's q with the earlier siblings
-    removed and renormalised; q is stored per parent; a greedy row gets the layout's top-k tokens."""
+    removed; q is stored per parent; a greedy row gets the layout's top-k tokens. (The torch ops:
+    tests/test_draft_runner.py shows the C++ runner's draws are theirs.)"""
     head = init_random_head(small_target.config, seed=3)
     cfg = TreeConfig("eagle2", total_tokens=12, depth=3, top_k=4)
     p = Proposer(head, small_target, cfg)
@@ -793,8 +794,7 @@ def test_sampled_tree_drafts_come_from_q_without_replacement(small_target):
                 u = uniforms(sampling.seed[r:r + 1], step[r:r + 1], torch.tensor([parent * p.max_children + rank]), DRAFT)
                 assert int(tree.tokens[r, i]) == int(draw(left[None], u)[0])
                 left = left.clone()
-                left[tree.tokens[r, i]] = 0
-                left = left / left.sum()
+                left[tree.tokens[r, i]] = 0  # (draw scales by what is left: renormalised)
             assert len({int(tree.tokens[r, i]) for i in kids}) == len(kids)
     assert tree.tokens[1].tolist() == top[1].tolist()
 

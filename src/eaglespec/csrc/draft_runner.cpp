@@ -1,7 +1,8 @@
 // EAGLE-1/2 drafting with a one-layer EAGLE-1/2 head on a CPU, as one call per phase of a step:
 // `commit` (accepted pairs into the head's KV cache), `propose` (a dynamic tree for every row),
-// `propose_static` (EAGLE-1's fixed layout) and `sample_chain` (a chain drawn from the head's
-// distribution, for temperature-only sampled rows).
+// `propose_static` (EAGLE-1's fixed layout), `sample_chain` (a chain drawn from the head's
+// distribution, for temperature-only sampled rows) and `sample_static` (an eagle2 sampled layout:
+// siblings drawn from that distribution without replacement).
 //
 // Why: spec/propose.py's Proposer ran a (3, 2, 1) step's drafting and committing as ~270 torch ops
 // (masks, gathers, the frontier's top-k, the rerank's sorts, RoPE tables) around a dozen kernel
@@ -216,19 +217,90 @@ class DraftRunner {
                                std::vector<torch::Tensor> run, std::vector<torch::Tensor> hid,
                                std::vector<torch::Tensor> anc, std::vector<int64_t> first, std::vector<int64_t> width,
                                int64_t S, int64_t view, double scale, bool amx) const {
-    const int64_t b = root_token.size(0);
-    const auto c = committed.contiguous(), root = root_token.contiguous();
-    const int64_t* cp = c.data_ptr<int64_t>();
-    std::vector<std::vector<int64_t>> tokens(b);
-    for (int64_t r = 0; r < b; ++r) tokens[r].push_back(root.data_ptr<int64_t>()[r]);
-    auto top_ids = [&](const torch::Tensor& hidden, int64_t w) {  // [rows, w] target ids, row-major
+    auto top_ids = [&](const torch::Tensor& hidden, int64_t w, const std::vector<int64_t>&) {  // [rows, w] target ids
       const auto idx = topk_logprobs(lm_(hidden), w)[1];
       std::vector<int64_t> ids(idx.numel());
       for (size_t i = 0; i < ids.size(); ++i) ids[i] = target_id(idx.data_ptr<int64_t>()[i]);
       return ids;
     };
-    std::vector<int64_t> top = top_ids(root_hidden.contiguous(), root_width);  // [B, W]: per row, flattened
-    int64_t table = root_width;  // entries per row of `top`
+    return walk_static(k, v, committed, root_token, root_hidden, root_width, src, run, hid, anc, first, width, {}, S,
+                       view, scale, amx, top_ids);
+  }
+
+  // Proposer._static with sampling (an eagle2 sampled layout, temperature-only rows): the walk of
+  // `propose_static`, but a sampled row's children table below node i is drawn from q =
+  // softmax(logits / temperature[b]) over the draft vocabulary without replacement
+  // (Proposer._children): rank j from q with the ranks before it zeroed, by the uniform of (seed,
+  // step, i * max_children + j, purpose); greedy rows keep the top tables. starts[i]: the node id
+  // of level i's first node. Returns tokens [B, N] and the q each node's children were drawn
+  // from, over the target's `vocab` ids: [B, N, vocab] fp32 (zeros at leaves).
+  std::vector<torch::Tensor> sample_static(torch::Tensor k, torch::Tensor v, torch::Tensor committed,
+                                           torch::Tensor root_token, torch::Tensor root_hidden, int64_t root_width,
+                                           std::vector<torch::Tensor> src, std::vector<torch::Tensor> run,
+                                           std::vector<torch::Tensor> hid, std::vector<torch::Tensor> anc,
+                                           std::vector<int64_t> first, std::vector<int64_t> width,
+                                           std::vector<int64_t> starts, int64_t S, int64_t nodes,
+                                           torch::Tensor temperature, torch::Tensor greedy, torch::Tensor seed,
+                                           torch::Tensor step, int64_t purpose, int64_t max_children, int64_t vocab,
+                                           int64_t view, double scale, bool amx) const {
+    const int64_t b = root_token.size(0);
+    const auto greedy_rows = greedy.contiguous();
+    const auto opts = committed.options();
+    auto probs = torch::zeros({b, nodes, vocab}, opts.dtype(at::kFloat));
+    float* pp = probs.data_ptr<float>();
+    auto drawn_ids = [&](const torch::Tensor& hidden, int64_t w, const std::vector<int64_t>& ids) {
+      const int64_t R = static_cast<int64_t>(ids.size());
+      const auto logits = lm_(hidden).to(at::kFloat);  // [B * R, Vd], as Proposer._logits
+      const int64_t vd = logits.size(1);
+      const auto q = softmax_rows(logits.view({b, R, vd}), temperature).view({b * R, vd});
+      const auto top = topk_logprobs(logits, w)[1];  // [B * R, w]
+      const float* qp = q.data_ptr<float>();
+      for (int64_t r = 0; r < b; ++r)
+        for (int64_t j = 0; j < R; ++j) {
+          float* row = pp + (r * nodes + ids[j]) * vocab;
+          for (int64_t x = 0; x < vd; ++x) row[target_id(x)] = qp[(r * R + j) * vd + x];
+        }
+      auto left = q.clone();
+      auto node = torch::empty({b, R}, opts);
+      std::vector<int64_t> out(b * R * w);
+      for (int64_t rank = 0; rank < w; ++rank) {
+        for (int64_t r = 0; r < b; ++r)
+          for (int64_t j = 0; j < R; ++j) node.data_ptr<int64_t>()[r * R + j] = ids[j] * max_children + rank;
+        const auto x = draw_rows(left, uniforms_rows(seed, step, node, purpose).view({-1}));  // [B * R]
+        const int64_t* xp = x.data_ptr<int64_t>();
+        float* lp = left.data_ptr<float>();
+        for (int64_t n = 0; n < b * R; ++n) {
+          const bool g = greedy_rows.data_ptr<bool>()[n / R];
+          out[n * w + rank] = target_id(g ? top.data_ptr<int64_t>()[n * w + rank] : xp[n]);
+          lp[n * vd + xp[n]] = 0.f;  // without replacement (Proposer's _without)
+        }
+      }
+      return out;
+    };
+    auto tokens = walk_static(k, v, committed, root_token, root_hidden, root_width, src, run, hid, anc, first, width,
+                              starts, S, view, scale, amx, drawn_ids);
+    return {tokens, probs};
+  }
+
+ private:
+  // The walk down a fixed layout shared by propose_static and sample_static; table(hidden [rows, H],
+  // w, node ids of the level's run nodes) gives each run node's children table, [B * R * w] target
+  // ids, row-major (starts empty: the ids are not needed).
+  template <class Table>
+  torch::Tensor walk_static(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& committed,
+                            const torch::Tensor& root_token, const torch::Tensor& root_hidden, int64_t root_width,
+                            const std::vector<torch::Tensor>& src, const std::vector<torch::Tensor>& run,
+                            const std::vector<torch::Tensor>& hid, const std::vector<torch::Tensor>& anc,
+                            const std::vector<int64_t>& first, const std::vector<int64_t>& width,
+                            const std::vector<int64_t>& starts, int64_t S, int64_t view, double scale, bool amx,
+                            Table table) const {
+    const int64_t b = root_token.size(0);
+    const auto c = committed.contiguous(), root = root_token.contiguous();
+    const int64_t* cp = c.data_ptr<int64_t>();
+    std::vector<std::vector<int64_t>> tokens(b);
+    for (int64_t r = 0; r < b; ++r) tokens[r].push_back(root.data_ptr<int64_t>()[r]);
+    std::vector<int64_t> top = table(root_hidden.contiguous(), root_width, {0});  // [B, W]: per row, flattened
+    int64_t table_width = root_width;  // entries per row of `top`
     torch::Tensor hidden = root_hidden.contiguous();  // [B * R', H] the previous run's outputs
     int64_t prev_run = 1;
     for (size_t i = 0; i < src.size(); ++i) {
@@ -236,25 +308,27 @@ class DraftRunner {
       const int64_t *sp = src[i].data_ptr<int64_t>(), *rp = run[i].data_ptr<int64_t>(), *hp = hid[i].data_ptr<int64_t>();
       std::vector<int64_t> level(b * L);
       for (int64_t r = 0; r < b; ++r) {
-        for (int64_t l = 0; l < L; ++l) level[r * L + l] = top[r * table + sp[l]];
+        for (int64_t l = 0; l < L; ++l) level[r * L + l] = top[r * table_width + sp[l]];
         tokens[r].insert(tokens[r].end(), level.begin() + r * L, level.begin() + (r + 1) * L);
       }
       if (R == 0) break;  // the deepest level: leaves only
-      std::vector<int64_t> tok(b * R);
+      std::vector<int64_t> tok(b * R), ids(R);
       std::vector<uint8_t> bits(b * R * S);
       auto rows = torch::empty({b * R}, c.options());  // parents' outputs: rows of `hidden`
+      int64_t* row_p = rows.data_ptr<int64_t>();
       const bool* ap = anc[i].data_ptr<bool>();
+      for (int64_t j = 0; j < R; ++j) ids[j] = (starts.empty() ? 0 : starts[i]) + rp[j];
       for (int64_t r = 0; r < b; ++r) {
         for (int64_t j = 0; j < R; ++j) {
           tok[r * R + j] = level[r * L + rp[j]];
-          rows.data_ptr<int64_t>()[r * R + j] = r * prev_run + hp[j];
+          row_p[r * R + j] = r * prev_run + hp[j];
           std::copy_n(ap + j * S, S, bits.data() + (r * R + j) * S);
         }
       }
       hidden = run_depth(k, v, cp, b, R, S, static_cast<int64_t>(i) + 1, first[i], tok.data(), bits.data(),
                          hidden.index_select(0, rows), view, scale, amx);  // [B * R, H]
-      top = top_ids(hidden, width[i]);
-      table = R * width[i], prev_run = R;
+      top = table(hidden, width[i], ids);
+      table_width = R * width[i], prev_run = R;
     }
     const int64_t n = static_cast<int64_t>(tokens[0].size());
     auto out = torch::empty({b, n}, c.options());
@@ -262,7 +336,6 @@ class DraftRunner {
     return out;
   }
 
- private:
   int64_t target_id(int64_t idx) const {
     if (!draft_ids_.has_value()) return idx;
     const int64_t n = draft_ids_->size(0);
@@ -374,6 +447,12 @@ void bind_draft_runner(py::module_& m) {
            py::arg("root_token"), py::arg("root_hidden"), py::arg("root_width"), py::arg("src"), py::arg("run"),
            py::arg("hid"), py::arg("anc"), py::arg("first"), py::arg("width"), py::arg("scratch"), py::arg("view"),
            py::arg("scale"), py::arg("amx"), py::call_guard<py::gil_scoped_release>())
+      .def("sample_static", &DraftRunner::sample_static, py::arg("k"), py::arg("v"), py::arg("committed"),
+           py::arg("root_token"), py::arg("root_hidden"), py::arg("root_width"), py::arg("src"), py::arg("run"),
+           py::arg("hid"), py::arg("anc"), py::arg("first"), py::arg("width"), py::arg("starts"), py::arg("scratch"),
+           py::arg("nodes"), py::arg("temperature"), py::arg("greedy"), py::arg("seed"), py::arg("step"),
+           py::arg("purpose"), py::arg("max_children"), py::arg("vocab"), py::arg("view"), py::arg("scale"),
+           py::arg("amx"), py::call_guard<py::gil_scoped_release>())
       .def("propose", &DraftRunner::propose, py::arg("k"), py::arg("v"), py::arg("committed"), py::arg("root_token"),
            py::arg("root_hidden"), py::arg("top_k"), py::arg("depth"), py::arg("budget"), py::arg("view"),
            py::arg("scale"), py::arg("amx"), py::call_guard<py::gil_scoped_release>());

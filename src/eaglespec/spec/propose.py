@@ -24,7 +24,7 @@ whose siblings are drawn from q without replacement, which the same p/q rounds v
 (EAGLE-2's rerank would make the shape depend on the drawn values, and the draws biased).
 
 On a CPU with int8 drafting of a one-layer EAGLE-1/2 head, `commit`, `propose` (EAGLE-1 and
-EAGLE-2) and the sampled chains of temperature-only rows each run as one call of csrc/draft_runner.cpp (the same
+EAGLE-2) and the sampled chains and trees of temperature-only rows each run as one call of csrc/draft_runner.cpp (the same
 kernels in the same order, so the same bits; `native_runner`, `NATIVE`); the torch ops below stay
 the path everywhere else and the reference its tests compare against.
 """
@@ -265,8 +265,15 @@ class Proposer:
                 tokens, parents = self._dynamic(cache, root_token, root_hidden, view_len)
                 depth, ancestors = ancestors_from_parents(parents, self.max_depth)
         elif self.method == "eagle2":  # sampled rows, top-k > 1: the fixed sampled layout, drawn from q
-            plan = self._sampled_plan
-            tokens, probs = self._static(cache, root_token, root_hidden, view_len, plan, self._drafting(sampling), step)
+            plan, drafting = self._sampled_plan, self._drafting(sampling)
+            native = None if sampling.any_top_k or sampling.any_top_p else self._native_args(cache, plan.widest, view_len)
+            if native is not None:  # temperature-only rows: one C++ call, `_static`'s draws bit for bit
+                tokens, probs = self._native.sample_static(
+                    cache.k, cache.v, cache.lengths, root_token, root_hidden, plan.root_width, *plan.native_args,
+                    [x.start for x in plan.levels], self.scratch, n, drafting.sampling_temperature, sampling.greedy,
+                    sampling.seed, step, DRAFT, plan.max_children, self.target.config.vocab_size, view_len, *native)
+            else:
+                tokens, probs = self._static(cache, root_token, root_hidden, view_len, plan, drafting, step)
             parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in plan.tree)
         else:
             plan = self._plan
@@ -464,11 +471,11 @@ class Proposer:
 
 
 def _without(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """q [R, V] with token x [R] removed and renormalised, as verification updates q after it
-    rejects x (rows with no mass left stay zero: their later drafts are never accepted)."""
-    q = q.scatter(1, x[:, None], 0.0)
-    total = q.sum(-1, keepdim=True)
-    return torch.where(total > 0, q / total, q)
+    """q [R, V] with token x [R] removed: what the next sibling is drawn from. Verification
+    renormalises q after it rejects x; `draw` scales by the row's total, so the draw is from that
+    same distribution (and csrc/draft_runner.cpp gets the same bits without a sum of its own). A
+    row with no mass left draws a token it never accepts."""
+    return q.scatter(1, x[:, None], 0.0)
 
 
 def native_runner(head: Head, target: Transformer, lm_head, draft_ids: torch.Tensor):
