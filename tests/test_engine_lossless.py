@@ -629,6 +629,19 @@ def test_sampled_chain_lossless(small_target, cfg, greedy_every, fixed_shapes, s
     assert all(engine_tokens(r) == want for r in greedy)
 
 
+def three_committed_rows(p: Proposer, target, configs: list[SamplingConfig], capacity: int):
+    """Rows with these settings whose head caches hold three committed pairs (root token 4 next):
+    (RowSampling, the head cache, root_hidden, step counters 5, 5, 9)."""
+    head, b = p.head, len(configs)
+    cache = RowKVCache(head.cache_layers, head.config.num_kv_heads, head.config.head_dim, capacity, b,
+                       head.fc.weight.dtype, "cpu")
+    tokens = torch.tensor([[1, 2, 3]] * b)
+    feats = torch.randn(b, 3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = p.commit(cache, torch.zeros(b, dtype=torch.long), tokens, feats, torch.full((b,), 3), 3 + 3)
+    return RowSampling.from_configs(configs, "cpu"), cache, hidden, torch.tensor([5, 5, 9])[:b]
+
+
 def test_sampled_chain_drafts_come_from_q(small_target):
     """The proposer's sampled chain: each drafted token is the draw of its DRAFT uniform from the
     q stored for its parent, q is the head's distribution under the row's settings (zero outside
@@ -639,14 +652,9 @@ def test_sampled_chain_drafts_come_from_q(small_target):
     p = Proposer(head, small_target, CHAIN)
     assert p.samples_chain and p.budget == 3 and p.max_depth == 2
     configs = [SamplingConfig(1.0, seed=7), SamplingConfig(), SamplingConfig(0.7, top_k=2, seed=8)]
-    sampling = RowSampling.from_configs(configs, "cpu")
+    sampling, cache, hidden, step = three_committed_rows(p, small_target, configs, 16)
     b = len(configs)
-    cache = RowKVCache(head.cache_layers, head.config.num_kv_heads, head.config.head_dim, 16, b, head.fc.weight.dtype, "cpu")
-    tokens = torch.tensor([[1, 2, 3]] * b)
-    feats = torch.randn(b, 3, small_target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        hidden = p.commit(cache, torch.zeros(b, dtype=torch.long), tokens, feats, torch.full((b,), 3), 3 + 3)
-        step = torch.tensor([5, 5, 9])
         tree = p.propose(cache, torch.tensor([4, 4, 4]), hidden, torch.full((b,), 3), 3 + p.scratch, sampling, step)
         greedy = p.propose(cache, torch.tensor([4, 4, 4]), hidden, torch.full((b,), 3), 3 + p.scratch)
     q = tree.draft_probs
@@ -770,14 +778,9 @@ def test_sampled_tree_drafts_come_from_q_without_replacement(small_target):
     p = Proposer(head, small_target, cfg)
     layout = static_layout(sampled_layout(12, 3, 4))
     configs = [SamplingConfig(1.0, seed=7), SamplingConfig(), SamplingConfig(0.7, top_p=0.95, seed=8)]
-    sampling = RowSampling.from_configs(configs, "cpu")
+    sampling, cache, hidden, step = three_committed_rows(p, small_target, configs, 32)
     b = len(configs)
-    cache = RowKVCache(head.cache_layers, head.config.num_kv_heads, head.config.head_dim, 32, b, head.fc.weight.dtype, "cpu")
-    tokens = torch.tensor([[1, 2, 3]] * b)
-    feats = torch.randn(b, 3, small_target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        hidden = p.commit(cache, torch.zeros(b, dtype=torch.long), tokens, feats, torch.full((b,), 3), 3 + 3)
-        step = torch.tensor([5, 5, 9])
         tree = p.propose(cache, torch.tensor([4, 4, 4]), hidden, torch.full((b,), 12), 3 + p.scratch, sampling, step)
         top = p._static(cache, torch.tensor([4, 4, 4]), hidden, 3 + p.scratch, p._sampled_plan)[0]
     assert tree.parents[0].tolist() == layout.parents and tree.depth[0].tolist() == layout.depth

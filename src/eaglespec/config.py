@@ -324,7 +324,10 @@ QUANT_TREE = {"total_tokens": 6, "depth": 3, "top_k": 2}
 # p(token). Float targets: (3, 2, 1), 1.30x vanilla at T=1 in bf16 against 0.98x for (8, 3, 4)
 # (README, "Sampled chain drafts"). int8a16 on AMX tiles, where a longer chain costs the target
 # little: (4, 3, 1), 1.33-1.34x against 1.21-1.22x for (2, 1, 1). int4 / int8: (2, 1, 1) (1.08x;
-# (3, 2, 1) 1.10x and (4, 3, 1) 1.06x, within noise).
+# (3, 2, 1) 1.10x and (4, 3, 1) 1.06x, within noise). Those (8, 3, 4) figures were top-k drafts;
+# a sampled request's tree with top-k > 1 is now a sampled layout (tree.sampled_layout), which
+# accepts more (README "Session 25") but was measured only on int4, where chains stay ahead. Heads
+# with a tau table get the tree timed fastest on the machine instead (runtime/tree_tuning.py).
 SAMPLED_TREE = {"total_tokens": 3, "depth": 2, "top_k": 1}
 TILES_SAMPLED_TREE = {"total_tokens": 4, "depth": 3, "top_k": 1}
 QUANT_SAMPLED_TREE = {"total_tokens": 2, "depth": 1, "top_k": 1}
