@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--trees", nargs="+", default=["16,5,4", "12,4,4", "8,3,4"], help="total_tokens,depth,top_k")
+    ap.add_argument("--trees", nargs="+", default=["16,5,4", "12,4,4", "8,3,4"],
+                    help="total_tokens,depth,top_k (eagle2), or eagle1 (EAGLE-1's default layout)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quant", default="auto")
     ap.add_argument("--draft", nargs="+", default=["default"], help="head directories (default: the shipped head)")
@@ -45,7 +46,8 @@ def main() -> None:
     e = specs[0]
     lines = [x for x in Path(args.data).read_text().splitlines() if x.strip()]
     prompts = [e.encode(first_turn(json.loads(x)))[1] for x in lines[args.skip: args.skip + args.prompts]]
-    trees = [TreeConfig("eagle2", *map(int, t.split(","))) for t in args.trees]
+    trees = [TreeConfig("eagle") if t == "eagle1" else TreeConfig("eagle2", *map(int, t.split(",")))
+             for t in args.trees]
     # (head index, tree, sampled layout for sampled rows)
     arms = [(0, None, True)] + [(h, tree, True) for tree in trees for h in range(len(specs))]
     if args.top_k_trees:
@@ -53,14 +55,15 @@ def main() -> None:
     acc = [[0, 0.0, 0] for _ in arms]
     for h, tree, sampled in arms:  # warm-up, untimed: kernel builds and first calls stay out of the first arm
         propose.SAMPLED_TREES = sampled
-        specs[h].engine.run([Request(prompts[0], "vanilla" if tree is None else "eagle2", tree,
+        specs[h].engine.run([Request(prompts[0], "vanilla" if tree is None else tree.method, tree,
                                      SamplingConfig(temperature=args.temperature, seed=0), max_new_tokens=8)])
     for j, ids in enumerate(prompts):
         order = list(enumerate(arms))
         for i, (h, tree, sampled) in order[j % len(arms):] + order[: j % len(arms)]:  # rotate to spread drift
             propose.SAMPLED_TREES = sampled
             sampling = SamplingConfig(temperature=args.temperature, seed=j)
-            r = Request(ids, "vanilla" if tree is None else "eagle2", tree, sampling, max_new_tokens=args.max_new_tokens)
+            method = "vanilla" if tree is None else tree.method
+            r = Request(ids, method, tree, sampling, max_new_tokens=args.max_new_tokens)
             t0 = time.perf_counter()
             specs[h].engine.run([r])
             acc[i][0] += len(r.pending_tokens)
@@ -75,6 +78,8 @@ def main() -> None:
           + "|---" * (5 if several else 4) + "|")
     for (h, tree, sampled), (n, wall, steps) in zip(arms, acc):
         name = "vanilla" if tree is None else f"{tree.total_tokens}, {tree.depth}, {tree.top_k}"
+        if tree is not None and tree.method == "eagle":
+            name = "eagle1 (default layout)"
         if tree is not None and tree.top_k > 1 and args.temperature > 0:
             name += " sampled" if sampled else " top-k"
         head = f" {args.draft[h] if tree is not None else '-'} |" if several else ""

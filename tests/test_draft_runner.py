@@ -135,7 +135,7 @@ def test_native_drafting_is_the_torch_ops_bits(models, a8, method, shape, reduce
     assert int(fast[-2][3].max()) >= 2, "real trees: deeper than one level"
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1), (3, 2, 1), (6, 5, 1), (4, 2, 2), (9, 2, 4), (12, 4, 4)])
+@pytest.mark.parametrize("shape", [(2, 1, 1), (3, 2, 1), (6, 5, 1), (4, 2, 2), (9, 2, 4), (12, 4, 4), "eagle1"])
 @pytest.mark.parametrize("reduced, sharpness", [(False, 1.0), (True, 1.0), (True, 1.3)])
 def test_native_sampled_chains_are_the_torch_ops_draws(models, a8, shape, reduced, sharpness):
     """Sampled rows (two temperatures) beside a greedy one: the same drafted tokens and the same q
@@ -149,9 +149,11 @@ def test_native_sampled_chains_are_the_torch_ops_draws(models, a8, shape, reduce
         head.draft_sharpness = sharpness
     sampling = RowSampling.from_configs([SamplingConfig(temperature=1.0, seed=7), SamplingConfig(temperature=0.0),
                                          SamplingConfig(temperature=0.6, seed=8)])
-    tree_cfg = TreeConfig("eagle2", *shape)
+    tree_cfg = TreeConfig("eagle") if shape == "eagle1" else TreeConfig("eagle2", *shape)  # EAGLE-1's default layout
     fast, fast_cache, counting = drive(target, head, tree_cfg, native=True, sampling=sampling)
     slow, slow_cache, none = drive(target, head, tree_cfg, native=False, sampling=sampling)
+    if shape == "eagle1":
+        shape = (fast[-2][1].shape[1], None, 10)
     assert counting.calls == {"commit": 5, "sample_chain" if shape[2] == 1 else "sample_static": 4}
     assert none.calls == {}
     for a, b in zip(fast, slow, strict=True):

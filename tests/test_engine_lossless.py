@@ -594,11 +594,11 @@ def chain_engine(target, cfg: SamplingConfig, n: int, greedy_every: int = 0, fix
     engine = RecordingEngine(target, head, max_batch=8, fixed_shapes=fixed_shapes)
     reqs, sampled, greedy = [], [], []
     for s in range(n):
-        r = Request(PROMPT, "eagle2", tree, dataclasses.replace(cfg, seed=s), NEW)
+        r = Request(PROMPT, tree.method, tree, dataclasses.replace(cfg, seed=s), NEW)
         reqs.append(r)
         sampled.append(r)
         if greedy_every and s % greedy_every == 0:
-            greedy.append(Request(PROMPT, "eagle2", tree, SamplingConfig(), NEW))
+            greedy.append(Request(PROMPT, tree.method, tree, SamplingConfig(), NEW))
             reqs.append(greedy[-1])
     with single_thread():
         for a in range(0, len(reqs), 64):
@@ -724,12 +724,14 @@ WIDE_TREE = TreeConfig("eagle2", total_tokens=9, depth=2, top_k=4)  # the root h
     (SamplingConfig(temperature=1.0, top_p=0.9), 0, False, 1.0, SAMPLED_TREE_CFG),
     (SamplingConfig(temperature=0.8, top_k=3), 4, True, 1.0, WIDE_TREE),
     (SamplingConfig(temperature=1.0), 0, False, 10.0, WIDE_TREE),
-], ids=["t1-topp0.9-8,3,3", "t0.8-topk3-mixed-fixed-9,2,4", "t1-sharpness10-9,2,4"])
+    (SamplingConfig(temperature=0.9), 3, False, 1.0, TreeConfig("eagle", choices=SMALL_CHOICES)),
+], ids=["t1-topp0.9-8,3,3", "t0.8-topk3-mixed-fixed-9,2,4", "t1-sharpness10-9,2,4", "eagle1-t0.9-mixed"])
 def test_sampled_tree_lossless(small_target, cfg, greedy_every, fixed_shapes, sharpness, tree):
     """Sibling drafts drawn from the head's q without replacement (tree.sampled_layout's shape),
     verified by the p/q rounds that remove each rejected draft from q: the target's distribution,
     greedy rows in the same batch equal to greedy vanilla. With top-k 3 a node's q holds three
-    tokens, fewer than four siblings: the fourth draws from no mass and is never accepted."""
+    tokens, fewer than four siblings: the fourth draws from no mass and is never accepted. An
+    EAGLE-1 layout whose siblings are in rank order is drawn the same way."""
     expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
     n = 1500
     counts, accepted, greedy = chain_engine(small_target, cfg, n, greedy_every, fixed_shapes, sharpness, tree)
@@ -768,6 +770,20 @@ def test_sampled_tree_statistic_has_power(small_target, monkeypatch):
     assert pval < FAIL_P, (stat, df)
 
 
+def test_eagle1_layouts_out_of_rank_order_keep_top_k_drafts(small_target):
+    """An EAGLE-1 layout with a rank-2 child and no rank-1 sibling cannot hold draws without
+    replacement (verification would try the second draw against the first q): sampled rows get
+    its top-k drafts, verified with q = 1; one in rank order gets draws and their q."""
+    head = init_random_head(small_target.config, seed=3)
+    configs = [SamplingConfig(1.0, seed=7), SamplingConfig()]
+    for choices, drawn in (([[0], [2], [0, 0]], False), ([[0], [1], [0, 0]], True)):
+        p = Proposer(head, small_target, TreeConfig("eagle", choices=choices))
+        sampling, cache, hidden, step = three_committed_rows(p, small_target, configs, 16)
+        with torch.no_grad():
+            tree = p.propose(cache, torch.tensor([4, 4]), hidden, torch.full((2,), 4), 3 + p.scratch, sampling, step)
+        assert (tree.draft_probs is not None) == drawn
+
+
 def test_sampled_tree_drafts_come_from_q_without_replacement(small_target):
     """The proposer's sampled tree: tree.sampled_layout's shape; each sibling is the draw of its
     DRAFT uniform (id parent * max_children + rank) from its parent's q with the earlier siblings
@@ -794,7 +810,8 @@ def test_sampled_tree_drafts_come_from_q_without_replacement(small_target):
             left = q[r, parent]
             kids = [i for i in range(12) if layout.parents[i] == parent]
             for rank, i in enumerate(kids):
-                u = uniforms(sampling.seed[r:r + 1], step[r:r + 1], torch.tensor([parent * p.max_children + rank]), DRAFT)
+                draw_id = torch.tensor([parent * p.max_children + rank])
+                u = uniforms(sampling.seed[r:r + 1], step[r:r + 1], draw_id, DRAFT)
                 assert int(tree.tokens[r, i]) == int(draw(left[None], u)[0])
                 left = left.clone()
                 left[tree.tokens[r, i]] = 0  # (draw scales by what is left: renormalised)

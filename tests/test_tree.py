@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from eaglespec.config import EAGLE1_CHOICES, TreeConfig
 from eaglespec.draft import Drafter, init_random_head
-from eaglespec.tree import Tree, chain, load_choices, rerank, sampled_layout, static_layout, truncate_layout
+from eaglespec.tree import (Tree, chain, load_choices, rerank, sampled_layout, siblings_in_rank_order, static_layout,
+                            truncate_layout)
 
 from spec_helpers import single_thread
 from tiny import tiny_config, tiny_model
@@ -155,7 +156,14 @@ def test_sampled_layout_invariants(total, depth, top_k):
         assert c[-1] == 0 or c[:-1] + (c[-1] - 1,) in have
     if top_k == 1:
         assert sorted(have) == [(0,) * d for d in range(1, len(paths) + 1)]
-    static_layout(paths)  # a valid layout
+    assert siblings_in_rank_order(static_layout(paths))
+
+
+def test_siblings_in_rank_order():
+    assert siblings_in_rank_order(static_layout(EAGLE1_CHOICES))
+    assert siblings_in_rank_order(static_layout([[0], [1], [0, 0], [0, 1], [1, 0]]))
+    assert not siblings_in_rank_order(static_layout([[0], [2]]))
+    assert not siblings_in_rank_order(static_layout([[0], [0, 1]]))
 
 
 def test_sampled_layout_follows_the_acceptance_by_rank():

@@ -138,6 +138,15 @@ def sampled_layout(total_tokens: int, depth: int, top_k: int,
     return paths
 
 
+def siblings_in_rank_order(layout: StaticLayout) -> bool:
+    """Whether every node of rank r > 0 has a sibling of rank r - 1, so the layout can hold
+    siblings drawn without replacement (the r-th draw is rank r, and verification tries siblings
+    in rank order, removing each rejected one from q). sampled_layout's always do; a hand-made
+    EAGLE-1 list such as [[0], [2]] does not."""
+    have = {tuple(c) for c in layout.choices}
+    return all(c[-1] == 0 or c[:-1] + (c[-1] - 1,) in have for c in have)
+
+
 def truncate_layout(layout: StaticLayout, size: int) -> StaticLayout:
     """The first `size` nodes (parents come first, so any prefix is a tree): used near the
     context limit."""

@@ -21,12 +21,15 @@ on the drafted values, so its tokens are drawn from the head's distribution q an
 `draft_probs` for the p/q rule, which accepts sum(min(p, q)) at each depth instead of p(top-1
 token). A wider one (top-k > 1) is replaced by a fixed shape of the same size (tree.sampled_layout)
 whose siblings are drawn from q without replacement, which the same p/q rounds verify exactly
-(EAGLE-2's rerank would make the shape depend on the drawn values, and the draws biased).
+(EAGLE-2's rerank would make the shape depend on the drawn values, and the draws biased). An
+EAGLE-1 layout is fixed already: sampled rows draw its siblings the same way when its ranks are
+0..m-1 under every node (tree.siblings_in_rank_order; the default layout's are).
 
 On a CPU with int8 drafting of a one-layer EAGLE-1/2 head, `commit`, `propose` (EAGLE-1 and
-EAGLE-2) and the sampled chains and trees of temperature-only rows each run as one call of csrc/draft_runner.cpp (the same
-kernels in the same order, so the same bits; `native_runner`, `NATIVE`); the torch ops below stay
-the path everywhere else and the reference its tests compare against.
+EAGLE-2) and the sampled chains and trees of temperature-only rows each run as one call of
+csrc/draft_runner.cpp (the same kernels in the same order, so the same bits; `native_runner`,
+`NATIVE`); the torch ops below stay the path everywhere else and the reference its tests compare
+against.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ..draft import DraftHead, Head
 from ..kernels import ops_kernel
 from ..kv_cache import RowKVCache, row_attention_mask
 from ..model import Transformer
-from ..tree import StaticLayout, sampled_layout, static_layout
+from ..tree import StaticLayout, sampled_layout, siblings_in_rank_order, static_layout
 from .draft_quant import int8_head, int8_linear
 from .rng import DRAFT, draw, uniforms
 from .sampling import RowSampling, row_probabilities
@@ -143,8 +146,8 @@ class _StaticPlan:
         depth, ancestors = ancestors_from_parents(parents, layout.max_depth)
         native_args = ([x.src for x in out], [x.run for x in out], [x.hid for x in out],
                        [x.anc.contiguous() for x in out], [x.first for x in out], [x.width for x in out])
-        return cls(out, need[0], max(len(slot), scratch), (parents, depth, ancestors), n, layout.max_depth, max_children,
-                   native_args, max((x.run.numel() for x in out), default=0))
+        return cls(out, need[0], max(len(slot), scratch), (parents, depth, ancestors), n, layout.max_depth,
+                   max_children, native_args, max((x.run.numel() for x in out), default=0))
 
 
 class Proposer:
@@ -192,9 +195,12 @@ class Proposer:
                 self._sampled_plan = _StaticPlan.of(layout, dev, self.scratch)
                 self.scratch = self._sampled_plan.scratch
             return
-        self.samples_chain, self._sampled_plan = False, None
+        self.samples_chain = False
         # EAGLE-1: a reduced vocabulary may hold fewer tokens than a node's rank asks for: drop such paths.
-        self._plan = _StaticPlan.of(static_layout([c for c in tree_cfg.choices if max(c) < vocab]), dev)
+        layout = static_layout([c for c in tree_cfg.choices if max(c) < vocab])
+        self._plan = _StaticPlan.of(layout, dev)
+        # Sampled rows draw its siblings from q too, where its ranks allow it (else top-k drafts).
+        self._sampled_plan = self._plan if siblings_in_rank_order(layout) else None
         self.budget, self.max_depth = self._plan.budget, self._plan.max_depth
         self.max_children, self.scratch = self._plan.max_children, self._plan.scratch
 
@@ -234,7 +240,8 @@ class Proposer:
         sampling, step [B] (the rows' settings and step counters): when some row samples, an
         eagle2 chain's tokens are drawn from the head (`_sampled_chain`), and an eagle2 tree with
         top-k > 1 becomes the fixed sampled layout whose children are drawn from it (`_static`
-        with sampling); else top-k drafts. Greedy rows of such a batch take the top-k tokens.
+        with sampling), as does an EAGLE-1 layout whose siblings are in rank order; else top-k
+        drafts. Greedy rows of such a batch take the top-k tokens.
         """
         b, n = root_token.shape[0], self.budget
         probs = None
@@ -255,7 +262,21 @@ class Proposer:
                 tokens, probs = self._sampled_chain(cache, root_token, root_hidden, view_len, drafting, step)
             parents = torch.arange(-1, n - 1, device=tokens.device).expand(b, n)
             depth, ancestors = ancestors_from_parents(parents, self.max_depth)
-        elif self.method == "eagle2" and not (self._sampled_plan is not None and sampled and SAMPLED_TREES):
+        elif self._sampled_plan is not None and sampled and SAMPLED_TREES:
+            # A fixed layout (eagle2's sampled layout for top-k > 1, or EAGLE-1's) drawn from q.
+            plan, drafting = self._sampled_plan, self._drafting(sampling)
+            native = None
+            if not (sampling.any_top_k or sampling.any_top_p):  # temperature-only rows
+                native = self._native_args(cache, plan.widest, view_len)
+            if native is not None:  # one C++ call (csrc/draft_runner.cpp): `_static`'s draws, bit for bit
+                tokens, probs = self._native.sample_static(
+                    cache.k, cache.v, cache.lengths, root_token, root_hidden, plan.root_width, *plan.native_args,
+                    [x.start for x in plan.levels], self.scratch, n, drafting.sampling_temperature, sampling.greedy,
+                    sampling.seed, step, DRAFT, plan.max_children, self.target.config.vocab_size, view_len, *native)
+            else:
+                tokens, probs = self._static(cache, root_token, root_hidden, view_len, plan, drafting, step)
+            parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in plan.tree)
+        elif self.method == "eagle2":
             native = self._native_args(cache, self.k, view_len)
             if native is not None:  # one C++ call (csrc/draft_runner.cpp): `_dynamic`'s trees, bit for bit
                 tokens, parents, depth, ancestors = self._native.propose(
@@ -264,17 +285,6 @@ class Proposer:
             else:
                 tokens, parents = self._dynamic(cache, root_token, root_hidden, view_len)
                 depth, ancestors = ancestors_from_parents(parents, self.max_depth)
-        elif self.method == "eagle2":  # sampled rows, top-k > 1: the fixed sampled layout, drawn from q
-            plan, drafting = self._sampled_plan, self._drafting(sampling)
-            native = None if sampling.any_top_k or sampling.any_top_p else self._native_args(cache, plan.widest, view_len)
-            if native is not None:  # temperature-only rows: one C++ call, `_static`'s draws bit for bit
-                tokens, probs = self._native.sample_static(
-                    cache.k, cache.v, cache.lengths, root_token, root_hidden, plan.root_width, *plan.native_args,
-                    [x.start for x in plan.levels], self.scratch, n, drafting.sampling_temperature, sampling.greedy,
-                    sampling.seed, step, DRAFT, plan.max_children, self.target.config.vocab_size, view_len, *native)
-            else:
-                tokens, probs = self._static(cache, root_token, root_hidden, view_len, plan, drafting, step)
-            parents, depth, ancestors = (x.expand(b, *x.shape[1:]).clone() for x in plan.tree)
         else:
             plan = self._plan
             native = self._native_args(cache, plan.widest, view_len)
@@ -504,6 +514,7 @@ def native_runner(head: Head, target: Transformer, lm_head, draft_ids: torch.Ten
 # scripts turn it off).
 NATIVE = True
 
-# Whether sampled rows of an eagle2 tree with top-k > 1 draft the fixed sampled layout drawn from q
-# (else the reranked top-k tree, verified with q(x) = 1; A/B scripts switch it per arm).
+# Whether sampled rows of an eagle2 tree with top-k > 1 (or of an EAGLE-1 layout) draw siblings
+# from q (else top-k drafts, the reranked tree for eagle2, verified with q(x) = 1; A/B scripts
+# switch it per arm).
 SAMPLED_TREES = True
