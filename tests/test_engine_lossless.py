@@ -583,7 +583,7 @@ def test_engine_vanilla_sampling_matches_exact(small_target):
 CHAIN = TreeConfig("eagle2", total_tokens=3, depth=2, top_k=1)
 
 
-def chain_engine(target, cfg: SamplingConfig, n: int, greedy_every: int = 0, fixed_shapes: bool = False,
+def sampled_engine(target, cfg: SamplingConfig, n: int, greedy_every: int = 0, fixed_shapes: bool = False,
                  sharpness: float = 1.0, tree: TreeConfig = CHAIN):
     """n sampled requests (seeds 0..) through a real (random) head with the chain tree (or
     `tree`), 8 rows a step; every `greedy_every`-th request in between is greedy (a mixed batch).
@@ -619,7 +619,7 @@ def test_sampled_chain_lossless(small_target, cfg, greedy_every, fixed_shapes, s
     (a much sharper one here), never the output's distribution."""
     expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
     n = 1500
-    counts, accepted, greedy = chain_engine(small_target, cfg, n, greedy_every, fixed_shapes, sharpness)
+    counts, accepted, greedy = sampled_engine(small_target, cfg, n, greedy_every, fixed_shapes, sharpness)
     pval, stat, df = chi_square_pvalue(counts, expected)
     assert df >= 15, df
     assert pval > PASS_P, (stat, df)
@@ -708,7 +708,7 @@ def test_sampled_chain_statistic_has_power(small_target, monkeypatch):
     cfg = SamplingConfig(temperature=1.0)
     expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
     no_zeroing(monkeypatch)
-    counts, _, _ = chain_engine(small_target, cfg, 600)
+    counts, _, _ = sampled_engine(small_target, cfg, 600)
     pval, stat, df = chi_square_pvalue(counts, expected)
     assert pval < FAIL_P, (stat, df)
 
@@ -734,7 +734,7 @@ def test_sampled_tree_lossless(small_target, cfg, greedy_every, fixed_shapes, sh
     EAGLE-1 layout whose siblings are in rank order is drawn the same way."""
     expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
     n = 1500
-    counts, accepted, greedy = chain_engine(small_target, cfg, n, greedy_every, fixed_shapes, sharpness, tree)
+    counts, accepted, greedy = sampled_engine(small_target, cfg, n, greedy_every, fixed_shapes, sharpness, tree)
     pval, stat, df = chi_square_pvalue(counts, expected)
     assert df >= 15, df
     assert pval > PASS_P, (stat, df)
@@ -749,10 +749,10 @@ def test_sampled_tree_beats_its_chain_and_the_top_k_tree(small_target, monkeypat
     q = 1 (SAMPLED_TREES off), on the same requests."""
     cfg = SamplingConfig(temperature=1.0)
     chain = TreeConfig("eagle2", total_tokens=4, depth=3, top_k=1)
-    accepted = {name: chain_engine(small_target, cfg, 300, tree=t)[1]
+    accepted = {name: sampled_engine(small_target, cfg, 300, tree=t)[1]
                 for name, t in (("chain", chain), ("tree", SAMPLED_TREE_CFG))}
     monkeypatch.setattr(propose_mod, "SAMPLED_TREES", False)
-    top_k = chain_engine(small_target, cfg, 300, tree=SAMPLED_TREE_CFG)[1]
+    top_k = sampled_engine(small_target, cfg, 300, tree=SAMPLED_TREE_CFG)[1]
     assert accepted["tree"] > 1.1 * max(accepted["chain"], top_k), (accepted, top_k)
 
 
@@ -765,7 +765,7 @@ def test_sampled_tree_statistic_has_power(small_target, monkeypatch):
     cfg = SamplingConfig(temperature=1.0)
     expected = exact_sequence_probs(small_target, PROMPT, cfg, NEW)
     monkeypatch.setattr(propose_mod, "_without", lambda q, x: q)
-    counts, _, _ = chain_engine(small_target, cfg, 600, sharpness=10.0, tree=WIDE_TREE)
+    counts, _, _ = sampled_engine(small_target, cfg, 600, sharpness=10.0, tree=WIDE_TREE)
     pval, stat, df = chi_square_pvalue(counts, expected)
     assert pval < FAIL_P, (stat, df)
 

@@ -412,8 +412,9 @@ class Proposer:
         """The children table of R nodes (ids `nodes` [R], outputs hidden [B, R, H]): [B, R, width]
         target ids. Greedy rows (and every row when sampling is None) take the top-`width` drafts.
         Sampled rows draw them from q = the head's distribution under the row's settings, without
-        replacement: rank r from q with ranks 0..r-1 removed and renormalised, which is the q that
-        verification holds when it reaches rank r (it removes each rejected draft the same way).
+        replacement: rank r from q with ranks 0..r-1 removed (`_without`; `draw` renormalises), which
+        is the q that verification holds when it reaches rank r (it removes each rejected draft the
+        same way).
         The draw of rank r below node i uses the DRAFT uniform of id i * max_children + r; q is
         stored in probs[:, nodes] over the target vocabulary."""
         if sampling is None:
