@@ -138,7 +138,8 @@ def test_one_step_is_the_plain_loss_exactly(ttt_setup):
     batch = odd_batch(store, target.device)
     got = eagle_loss(head, target, batch, 0.1, 0.1, torch.Generator().manual_seed(5), ttt_steps=1)
     want = plain_loss(head, target, batch, 0.1, 0.1, torch.Generator().manual_seed(5))
-    assert torch.equal(got.total, want)
+    # the readout loss is summed by row chunks (readout_loss), so to rounding, not bit for bit
+    torch.testing.assert_close(got.total, want, rtol=1e-6, atol=0)
     # and step 0 of an unrolled loss is that same loss
     three = eagle_loss(head, target, batch, 0.1, 0.1, torch.Generator().manual_seed(5), ttt_steps=3)
     assert torch.equal(three.per_step[0, :2], got.per_step[0, :2])

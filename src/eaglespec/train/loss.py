@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..draft import DraftHead
 from ..kv_cache import KVCache
 from ..model import Transformer
+from .readout_loss import product_dtype, readout_loss
 
 ROW_BUCKET = 512  # see eagle_loss: bounded set of matmul shapes
 
@@ -139,9 +140,7 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
     w = core.lm_weight(target.lm_head.weight)  # [Vd, H] the head's LM head
     if core.kind == "eagle3":
         w_reg = 0.0  # its output is a hidden state of its own, not the target's feature
-    with torch.no_grad():
-        t_logits = _rows_linear(f_true, target_vocab_weight(core, target)).float()  # [M, Vd]
-        t_prob, t_top = t_logits.softmax(-1), t_logits.argmax(-1)
+    t_prob, t_top = target_distribution(f_true, target_vocab_weight(core, target))  # [M, Vd], [M]
     total, stats, valid = None, [], sel
     for s in range(ttt_steps):
         if s > 0:
@@ -150,24 +149,34 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
             if not bool(valid.any()):
                 break  # later steps score even fewer positions
             pred = core.step(emb, prev, pos, kv, chain_mask(n, s, tok.device))  # own outputs: no fc fusion
-        keep = None if s == 0 else valid[sel]  # [M] step 0's rows this step still scores
+        # [Ms] step 0's rows this step still scores
+        rows = None if s == 0 else valid[sel].nonzero().squeeze(1)
         p_hat = pred[valid]  # [Ms, H]
-        f_s, prob_s, top_s = (f_true, t_prob, t_top) if keep is None else (f_true[keep], t_prob[keep], t_top[keep])
-        reg = F.smooth_l1_loss(p_hat, f_s) if w_reg else p_hat.new_zeros(())
-        d_logp = _rows_linear(core.readout(p_hat), w).float().log_softmax(-1)
-        cls = -(prob_s * d_logp).sum(-1).mean()
-        acc = (d_logp.argmax(-1) == top_s).float().mean()
-        term = w_reg * reg + w_cls * cls
-        # 1 - sum(min(p, q)): what a sampled draft at this depth is rejected with; logged even when
-        # not trained on, so runs with and without --w-tv compare on it
-        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(w_tv)):
-            tv = 0.5 * (prob_s - d_logp.exp()).abs().sum(-1).mean()
-        if w_tv:
-            term = term + w_tv * tv
+        reg = F.smooth_l1_loss(p_hat, f_true if rows is None else f_true[rows]) if w_reg else p_hat.new_zeros(())
+        # CE to the target's distribution, and its total variation 1 - sum(min(p, q)): what a sampled
+        # draft at this depth is rejected with, logged even when not trained on (w_tv = 0), so runs
+        # with and without --w-tv compare on it
+        out = readout_loss(core.readout(p_hat), w, t_prob, t_top, rows, w_cls, w_tv)
+        term = w_reg * reg + out.loss
         total = term if s == 0 else total + decay ** s * term
-        stats.append(torch.stack([reg.detach(), cls.detach(), acc.detach(), tv.detach()]))
+        stats.append(torch.stack([reg.detach(), out.cls, out.acc, out.tv]))
     per_step = torch.stack(stats)  # [N', 4]
     return LossParts(total, per_step[0, 0], per_step[0, 1], per_step[0, 2], m, per_step, per_step[0, 3])
+
+
+@torch.no_grad()
+def target_distribution(f: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary and its argmax at features f [M, H],
+    with w [Vd, H] its LM-head rows: ([M, Vd] fp32, [M] long), written one row chunk at a time
+    into one buffer (see readout_loss: fresh [M, Vd] temporaries are slow to map on a CPU)."""
+    m = f.shape[0]
+    prob = torch.empty(m, w.shape[0], dtype=torch.float32, device=f.device)
+    top = torch.empty(m, dtype=torch.long, device=f.device)
+    for a in range(0, m, ROW_BUCKET):
+        z = _rows_linear(f[a:a + ROW_BUCKET], w).float()  # [<= ROW_BUCKET, Vd]
+        top[a:a + z.shape[0]] = z.argmax(-1)
+        prob[a:a + z.shape[0]] = z.softmax(-1)
+    return prob, top
 
 
 def target_vocab_weight(head, target: Transformer) -> torch.Tensor:
@@ -180,16 +189,11 @@ def target_vocab_weight(head, target: Transformer) -> torch.Tensor:
 
 
 def _rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, H] @ w.T in w's dtype -> [M, V], with M padded up to a multiple of ROW_BUCKET: with a
-    bf16 target, oneDNN caches a primitive (with a reordered copy of w) per distinct shape, and M
-    differs at nearly every step, so unpadded shapes grew the process by about 8 MB per step
-    (12 GiB peak). A bf16 w on a CPU without native bf16 matmul (a bf16 target there runs the
-    integer kernels) is multiplied in fp32: torch's emulated bf16 products made a TTT step 11x
-    slower on an AVX2 EPYC (README, "Session 17")."""
-    from ..api import cpu_has_native_bf16
-
-    if w.dtype == torch.bfloat16 and w.device.type == "cpu" and not cpu_has_native_bf16():
-        w = w.float()
+    """x [M, H] @ w.T -> [M, V] in product_dtype(w), with M padded up to a multiple of ROW_BUCKET:
+    with a bf16 target, oneDNN caches a primitive (with a reordered copy of w) per distinct shape,
+    and M differs at nearly every step, so unpadded shapes grew the process by about 8 MB per step
+    (12 GiB peak)."""
+    w = w.to(product_dtype(w))
     m = x.shape[0]
     return F.linear(F.pad(x.to(w.dtype), (0, 0, 0, (-m) % ROW_BUCKET)), w)[:m]
 
