@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-CHUNK = 256  # rows per chunk: a fixed matmul shape (oneDNN caches a primitive per shape) and ~12 MB of logits
+CHUNK = 256  # rows per chunk on a CPU: a fixed matmul shape (oneDNN caches a primitive per shape), ~12 MB of logits
+DEVICE_CHUNK = 4096  # on a GPU, where allocations are cached and small products leave it idle
 
 
 @dataclass
@@ -68,11 +69,12 @@ class _Fused(torch.autograd.Function):
         gx = torch.empty(m, x.shape[1], dtype=torch.float32, device=x.device) if want_x else None
         gw = torch.zeros(w.shape, dtype=torch.float32, device=x.device) if want_w else None
         xm = x.detach().to(wm.dtype)
-        for a in range(0, m, CHUNK):
-            n = min(CHUNK, m - a)
+        chunk = CHUNK if x.device.type == "cpu" else DEVICE_CHUNK
+        for a in range(0, m, chunk):
+            n = min(chunk, m - a)
             xc = xm[a:a + n]
-            # [CHUNK, Vd]: a padded last chunk keeps the one shape
-            z = F.linear(F.pad(xc, (0, 0, 0, CHUNK - n)) if n < CHUNK else xc, wm)[:n].float()
+            # [chunk, Vd]: a padded last chunk keeps the one shape
+            z = F.linear(F.pad(xc, (0, 0, 0, chunk - n)) if n < chunk else xc, wm)[:n].float()
             logq = z.log_softmax(-1)
             p = prob.index_select(0, rows[a:a + n])  # [n, Vd]
             cls_sum += -(p * logq).sum(dtype=torch.float64)
