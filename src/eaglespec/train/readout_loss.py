@@ -38,8 +38,6 @@ def readout_loss(x: torch.Tensor, w: torch.Tensor, prob: torch.Tensor, top: torc
     """x [M, H] the readout's input, w [Vd, H] the LM-head rows, prob [N, Vd] fp32 the target's
     distribution and top [N] its argmax; rows [M] long: which of prob's rows each x row is scored
     against (None: M == N, in order). The product runs in product_dtype(w)."""
-    if rows is None:
-        rows = torch.arange(x.shape[0], device=x.device)
     # inside forward grad mode is always off, and needs_input_grad holds even under no_grad
     grad = torch.is_grad_enabled()
     loss, cls, tv, acc = _Fused.apply(x, w, prob, top, rows, float(w_cls), float(w_tv), grad)
@@ -76,9 +74,12 @@ class _Fused(torch.autograd.Function):
             # [chunk, Vd]: a padded last chunk keeps the one shape
             z = F.linear(F.pad(xc, (0, 0, 0, chunk - n)) if n < chunk else xc, wm)[:n].float()
             logq = z.log_softmax(-1)
-            p = prob.index_select(0, rows[a:a + n])  # [n, Vd]
+            if rows is None:  # step 0 scores every row in order: views, no copies
+                p, t = prob[a:a + n], top[a:a + n]  # [n, Vd], [n]
+            else:
+                p, t = prob.index_select(0, rows[a:a + n]), top.index_select(0, rows[a:a + n])
             cls_sum += -(p * logq).sum(dtype=torch.float64)
-            hits += (logq.argmax(-1) == top.index_select(0, rows[a:a + n])).sum()
+            hits += (logq.argmax(-1) == t).sum()
             q = logq.exp_()  # logq is not needed past here
             diff = q - p
             tv_sum += 0.5 * diff.abs().sum(dtype=torch.float64)
