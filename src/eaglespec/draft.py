@@ -132,7 +132,7 @@ class DraftHead(nn.Module):
         t = embeds.shape[1]
         if mask is None and t > 1:
             mask = causal_mask(0 if cache is None else cache.length, t, embeds.device)
-        if mask is not None and mask.dim() == 3:
+        if isinstance(mask, torch.Tensor) and mask.dim() == 3:
             mask = mask[:, None]
         x = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
         cos, sin = self.rotary(positions, x.dtype)

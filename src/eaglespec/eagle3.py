@@ -148,7 +148,7 @@ class Eagle3Head(nn.Module):
         t = embeds.shape[1]
         if mask is None and t > 1:
             mask = causal_mask(0 if cache is None else cache.length, t, embeds.device)
-        if mask is not None and mask.dim() == 3:
+        if isinstance(mask, torch.Tensor) and mask.dim() == 3:
             mask = mask[:, None]
         cos, sin = self.rotary(positions, hidden.dtype)
         out = self.layer(embeds.to(hidden.dtype), hidden, cos, sin, cache, mask)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..attention import ChainMask
 from ..draft import DraftHead
 from ..kv_cache import KVCache
 from ..model import Transformer
@@ -79,17 +80,6 @@ class TrainKV:
         self.length += t
 
 
-def chain_mask(t: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Step `step` >= 1 of all T chains at once: [T, (step + 1) * T] bool over the keys of steps
-    0..step (T each; step 0's are the real pairs). Query p belongs to the chain that left real
-    features at p - step: it sees the real pairs up to p - step and, in each step m's keys, its own
-    chain's entry, which sits at p - step + m (a diagonal). Used by training (TTT) and n-alpha."""
-    p = torch.arange(t, device=device)
-    blocks = [p[None, :] <= (p - step)[:, None]]  # real pairs up to p - step
-    blocks += [p[None, :] == (p - step + m)[:, None] for m in range(1, step + 1)]
-    return torch.cat(blocks, 1)
-
-
 def chain_valid(scored: torch.Tensor, step: int) -> torch.Tensor:
     """Which step-`step` queries are scored. scored [B, T] bool: x[p+1] is a loss token (False on
     padding). The query at p is scored when its chain starts at a real pair (p >= step) and every
@@ -108,7 +98,7 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
 
     Pair p is (x[p+1], f[p]) at position p, for p = 0..T-2. Step 0 is the head on the real pairs
     (causal). Step s >= 1: the query at p takes as feature its chain's step s-1 output at p - 1
-    (the chain that left real features at p - s; see chain_mask), with the embedding of x[p+1] as
+    (the chain that left real features at p - s; see attention.ChainMask), with the embedding of x[p+1] as
     usual. Every step predicts the feature after its input token, f[p+1], and is scored against
     it: SmoothL1 to f[p+1] and CE to the target's distribution softmax(LMHead(f[p+1])) over the
     head's vocabulary (the next token x[p+2]), and with w_tv > 0 the total variation
@@ -148,7 +138,7 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
             valid = chain_valid(sel, s)
             if not bool(valid.any()):
                 break  # later steps score even fewer positions
-            pred = core.step(emb, prev, pos, kv, chain_mask(n, s, tok.device))  # own outputs: no fc fusion
+            pred = core.step(emb, prev, pos, kv, ChainMask(n, s))  # own outputs: no fc fusion
         # [Ms] step 0's rows this step still scores
         rows = None if s == 0 else valid[sel].nonzero().squeeze(1)
         p_hat = pred[valid]  # [Ms, H]
@@ -266,8 +256,7 @@ def chain_accuracy(head: DraftHead, target: Transformer, tokens: torch.Tensor, f
             break
         # step n+1: query p takes its chain's previous output (at p - 1) as feature
         prev = torch.cat([out[0, :1] * 0, out[0, :-1]], 0)[None]
-        mask = chain_mask(t, n + 1, dev)  # [t, cache.length + t]
-        out = head.step(emb, prev, pos, cache, mask)
+        out = head.step(emb, prev, pos, cache, ChainMask(t, n + 1))  # over cache.length + t keys
     return counts
 
 
