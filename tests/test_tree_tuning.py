@@ -5,6 +5,7 @@ and requests that name no tree get the pick while requests that name one keep th
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -115,6 +116,15 @@ def test_engine_times_once_caches_and_uses_the_pick(models, tuning, monkeypatch)
         assert all(r.error is None and r.pending_tokens for r in (r0, r1, r2))
         assert again.default_tree("eagle") == default_tree("eagle")  # eagle keeps its static tree
 
+        # retime: timed again although cached, and the cache holds the new timings.
+        monkeypatch.setenv("EAGLESPEC_TREE_TUNING", "retime")
+        fixed = {k: 2.0 for k in ("vanilla", *TAUS["greedy"], *TAUS["sampled"])}
+        fixed["vanilla"] = 1.0
+        monkeypatch.setattr(tree_tuning, "time_steps", lambda engine, keys, temperature, **kw:
+                            {k: fixed[k] / 1e3 for k in keys})
+        Engine(target, head, eos_ids=[7])
+        assert all(e["step_ms"]["vanilla"] == 1.0 for e in json.loads(tuning.read_text()).values())
+
         # Tuning off: the static defaults.
         monkeypatch.setenv("EAGLESPEC_TREE_TUNING", "0")
         off = Engine(target, head, eos_ids=[7])
@@ -152,7 +162,6 @@ def test_the_timing_cache_tells_head_shapes_apart(models):
     """Step times depend on the head's draft vocabulary (its LM-head product runs every draft
     step): widening it, or another head kind, must not reuse the cached timings."""
     import torch
-    from types import SimpleNamespace
 
     target, head = models
     engine = SimpleNamespace(target=target, head=head)
@@ -168,3 +177,21 @@ def test_the_timing_cache_tells_head_shapes_apart(models):
         head.set_vocab(held)
     assert len({key, narrow, wide}) == 3
     assert tree_tuning.cache_key(SimpleNamespace(target=target, head=None), "greedy", TAUS["greedy"]) != key
+
+
+def test_time_steps_takes_the_least_round_median_in_alternating_order(monkeypatch):
+    """Load only adds time: a tree's figure is its best round's median step, so one slowed round
+    (or one slow step in a round) does not decide the pick; rounds alternate the trees' order."""
+    calls = []
+    rounds = {"a": [[5, 5, 5], [1, 1, 9], [2, 2, 2]], "b": [[3, 3, 3], [4, 4, 4], [9, 3, 9]]}
+
+    def fake(engine, key, temperature, new_tokens, seed, context):
+        calls.append((key, seed))
+        return [0.0] if seed == 0 else list(rounds[key][seed - 1])  # seed 0: the warm-up request
+
+    monkeypatch.setattr(tree_tuning, "_step_seconds", fake)
+    engine = SimpleNamespace(window=4096)
+    assert tree_tuning.time_steps(engine, ["a", "b"], 0.0, rounds=3) == {"a": 1, "b": 3}
+    assert calls == [("b", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3)]
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        tree_tuning.time_steps(engine, ["a"], 0.0, rounds=0)

@@ -13,7 +13,9 @@ vectors the int4 products of 8 rows cost 2.5x one. Defaults measured on one mach
 0.76x vanilla on another (README, "AVX2 CPUs and measured tree defaults").
 
 The timing is at batch 1 (latency): a server's batched steps share the target's products and may
-favour smaller trees. `EAGLESPEC_TREE_TUNING=0` keeps the static defaults (config.default_tree).
+favour smaller trees. `EAGLESPEC_TREE_TUNING=0` keeps the static defaults (config.default_tree);
+`EAGLESPEC_TREE_TUNING=retime` times again and replaces the cached timings (for a machine that was
+busy the first time).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KINDS = ("greedy", "sampled")  # T = 0 and T > 0 (sampled requests draft chains and sampled layouts)
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the least of per-round medians (session 27); 1's picks are timed again
 
 
 @dataclass
@@ -88,6 +90,11 @@ def parse_tree_tau(raw: object, where: str) -> dict[str, dict[str, float]]:
 
 def enabled() -> bool:
     return os.environ.get("EAGLESPEC_TREE_TUNING", "1") != "0"
+
+
+def retime() -> bool:
+    """EAGLESPEC_TREE_TUNING=retime: ignore the cached timings, time again and replace them."""
+    return os.environ.get("EAGLESPEC_TREE_TUNING", "1") == "retime"
 
 
 def cache_path() -> Path:
@@ -179,27 +186,30 @@ def _step_seconds(engine: "Engine", key: str, temperature: float, new_tokens: in
     return times[1:]
 
 
-def time_steps(engine: "Engine", keys: list[str], temperature: float, rounds: int = 2,
+def time_steps(engine: "Engine", keys: list[str], temperature: float, rounds: int = 3,
                new_tokens: int = 16, context: int = 160) -> dict[str, float]:
     """Seconds per step of each tree `key` ("n,d,k", or "vanilla") on the engine's target at batch
-    1, after a `context`-token prompt (about a chat turn's): the median over `rounds` requests of
-    `new_tokens` each, every step timed alone (the median drops a shape's first call), trees
-    interleaved round by round (drift spreads over all), after one untimed warm-up request (kernel
-    builds, first calls). The caller turns EOS off while timing. About 25 s for the shipped head's
-    13 trees on a 2-core AVX2 EPYC; prefills are most of it."""
+    1, after a `context`-token prompt (about a chat turn's), after one untimed warm-up request
+    (kernel builds, first calls). Each round runs one request of `new_tokens` per tree, the trees
+    interleaved and every step timed alone; a round's figure for a tree is the median of its steps
+    (which drops a shape's first call). The result is each tree's least figure over `rounds` rounds:
+    other work on the machine only ever adds time, and with two picks in a row made under load
+    disagreeing (runs/s27/tune_probe.txt: 2,1,1 / 3,2,1 / 4,3,1 from medians over two rounds), a
+    tree must now be slowed in every round to lose. Rounds alternate direction, so no tree always
+    runs after the same one. The caller turns EOS off while timing. About 40 s for the shipped
+    head's greedy table on a 2-core AVX2 EPYC; prefills are most of it."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     context = max(1, min(context, engine.window - new_tokens - 64))  # room for a tree past the answer
     _step_seconds(engine, keys[-1], temperature, 4, 0, context)
-    steps: dict[str, list[float]] = {k: [] for k in keys}
+    best: dict[str, float] = {}
     for r in range(1, rounds + 1):
-        for key in keys:
-            steps[key] += _step_seconds(engine, key, temperature, new_tokens, r, context)
-    out = {}
-    for key, times in steps.items():
-        if not times:
-            raise RuntimeError(f"tree {key}: no step to time (new_tokens {new_tokens})")
-        times.sort()
-        out[key] = times[len(times) // 2]
-    return out
+        for key in (keys if r % 2 else keys[::-1]):
+            times = sorted(_step_seconds(engine, key, temperature, new_tokens, r, context))
+            if not times:
+                raise RuntimeError(f"tree {key}: no step to time (new_tokens {new_tokens})")
+            best[key] = min(best.get(key, float("inf")), times[len(times) // 2])
+    return {key: best[key] for key in keys}
 
 
 def choose(taus: dict[str, float], step_ms: dict[str, float]) -> TreeChoice:
@@ -218,7 +228,7 @@ def choose(taus: dict[str, float], step_ms: dict[str, float]) -> TreeChoice:
 def tune(engine: "Engine", kind: str, taus: dict[str, float]) -> TreeChoice:
     """The tree for `kind` requests on this machine: from the cache, else timed now (once)."""
     path, key = cache_path(), cache_key(engine, kind, taus)
-    entry = _read_cache(path).get(key)
+    entry = None if retime() else _read_cache(path).get(key)
     if isinstance(entry, dict) and isinstance(entry.get("step_ms"), dict) and \
             {"vanilla", *taus} <= set(entry["step_ms"]):
         return choose(taus, entry["step_ms"])
