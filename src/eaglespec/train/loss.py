@@ -130,7 +130,10 @@ def eagle_loss(head: DraftHead, target: Transformer, batch: Batch, w_cls: float 
     w = core.lm_weight(target.lm_head.weight)  # [Vd, H] the head's LM head
     if core.kind == "eagle3":
         w_reg = 0.0  # its output is a hidden state of its own, not the target's feature
-    t_prob, t_top = target_distribution(f_true, target_vocab_weight(core, target))  # [M, Vd], [M]
+        t_w = target_vocab_weight(core, target)
+    else:  # the target's frozen rows: converted once for every product below, not once per step
+        t_w = w = w.to(product_dtype(w))
+    t_prob, t_top = target_distribution(f_true, t_w)  # [M, Vd], [M]
     total, stats, valid = None, [], sel
     for s in range(ttt_steps):
         if s > 0:
