@@ -220,8 +220,8 @@ def exact_attention_here() -> bool:
     return kernels.ops_kernel() is not None or "avx512_f" in kernels.cpu_features()
 
 
-# Queries per SDPA call of ChainMask.attend: 128 ran fastest at a stage's shapes (T = 511; 32, 64
-# and 256 were 10-50% slower), few enough calls that dispatch does not matter.
+# Queries per SDPA call of ChainMask.attend: 128 ran fastest at a stage's shapes (T = 511; at the
+# third unrolled step 32, 64 and 256 were 38-54% slower), few enough calls that dispatch does not matter.
 CHAIN_CHUNK = 128
 
 
@@ -235,8 +235,8 @@ class ChainMask:
     The dense mask makes the flash kernel score all (step + 1) T keys per query, and almost all of
     them are masked. `attend` runs the queries by chunks of CHAIN_CHUNK instead, each over just the
     keys it can see: the real prefix up to the chunk's last visible pair, plus a CHAIN_CHUNK-wide
-    slice of each block. Forward and backward ran 1.7-2.3x faster than the dense mask at a stage's
-    shapes (B 8, T 511, 9 heads; runs/s27/attn_probe.py), with the same result to rounding."""
+    slice of each block. Forward and backward ran 1.8-2.2x faster than the dense mask at a stage's
+    shapes (B 8, T 511, 9 heads; scripts/chain_attention_cost.py), with the same result to rounding."""
 
     t: int
     step: int

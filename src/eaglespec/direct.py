@@ -88,7 +88,7 @@ class DirectLayer:
         """x [B, T, H] -> the layer's output [B, T, H], or None (nothing written) where this call's
         cache or shapes fall outside the plan."""
         b, t, h = x.shape
-        if t > attention.DECODE_ROWS or attention.DECODE_KERNEL != "exact":
+        if t > attention.DECODE_ROWS or attention.DECODE_KERNEL != "exact" or isinstance(mask, attention.ChainMask):
             return None
         write = getattr(cache, "write_rotated", None)
         ops = kernels.ops_kernel()

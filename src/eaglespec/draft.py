@@ -39,6 +39,7 @@ from torch import nn
 from .config import ConfigError, ModelConfig, TreeConfig
 from .kv_cache import KVCache
 from .eagle3 import Eagle3Head, eagle3_config, eagle3_from_checkpoint, eagle3_state, init_eagle3_head, is_eagle3
+from .attention import ChainMask
 from .model import DecoderLayer, ModelOutput, Rotary, Transformer, causal_mask
 from .tree import StaticLayout, Tree, rerank, static_layout, truncate_layout
 
@@ -119,15 +120,16 @@ class DraftHead(nn.Module):
         return hidden
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
+             mask: torch.Tensor | ChainMask | None = None) -> torch.Tensor:
         """One head forward over (token, feature or parent output) pairs: `forward`."""
         return self.forward(embeds, hidden, positions, cache, mask)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None, mask: torch.Tensor | ChainMask | None = None) -> torch.Tensor:
         """embeds, features: [B, T, H] (token x[t+1], feature f[t]); positions [B, T] -> f^[t+1] [B, T, H].
 
-        cache None (training): the T pairs attend causally among themselves, or per `mask` [B, T, T].
+        cache None (training): the T pairs attend causally among themselves, or per `mask` [B, T, T]
+        (a ChainMask for the training-time test's unrolled steps).
         """
         t = embeds.shape[1]
         if mask is None and t > 1:

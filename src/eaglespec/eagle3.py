@@ -26,6 +26,7 @@ from torch import nn
 
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
+from .attention import ChainMask
 from .model import MLP, Attention, ModelOutput, RMSNorm, Rotary, causal_mask
 
 
@@ -61,7 +62,7 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+                cache: KVCache | None, mask: torch.Tensor | ChainMask | None) -> torch.Tensor:
         x = torch.cat((self.embed_norm(embeds), self.hidden_norm(hidden)), dim=-1)  # [B, T, 2H]
         hidden = hidden + self.attn(x, cos, sin, cache, 0, mask)
         return hidden + self.mlp(self.mlp_norm(hidden))
@@ -142,7 +143,7 @@ class Eagle3Head(nn.Module):
         return self.fc(features.to(self.fc.weight.dtype))
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
+             mask: torch.Tensor | ChainMask | None = None) -> torch.Tensor:
         """embeds [B, T, H] (x[t+1]), hidden [B, T, H] (fused feature or the parent's output),
         positions [B, T] -> the head's output [B, T, H] (pre-norm; fed back deeper in a tree)."""
         t = embeds.shape[1]
@@ -157,7 +158,7 @@ class Eagle3Head(nn.Module):
         return out
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None, mask: torch.Tensor | ChainMask | None = None) -> torch.Tensor:
         """Committed pairs: features [B, T, 3 * target_hidden] are fused, then one step."""
         return self.step(embeds, self.fuse(features), positions, cache, mask)
 

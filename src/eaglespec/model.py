@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import direct
-from .attention import attend
+from .attention import ChainMask, attend
 from .config import ModelConfig
 from .kernels import ops_kernel, pinned_ops
 from .kv_cache import KVCache
@@ -134,7 +134,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | None,
         layer: int,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | ChainMask | None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.wqkv(x)
@@ -240,7 +240,8 @@ class DecoderLayer(nn.Module):
         self.post_mlp_norm = RMSNorm(h, eps) if cfg.sandwich_norms else nn.Identity()
         self._direct: tuple[tuple[nn.Module, ...], direct.DirectLayer | None] | None = None  # (planned from, plan)
 
-    def forward(self, x, cos, sin, cache: KVCache | None, layer: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache | None, layer: int, mask: torch.Tensor | ChainMask | None
+                ) -> torch.Tensor:
         if cache is not None and direct.DIRECT and cpu_kernels_apply(x):
             plan = self.direct_plan()
             out = None if plan is None else plan.run(x, cos, sin, cache, layer, mask)

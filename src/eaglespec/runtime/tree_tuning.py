@@ -193,9 +193,9 @@ def time_steps(engine: "Engine", keys: list[str], temperature: float, rounds: in
     (kernel builds, first calls). Each round runs one request of `new_tokens` per tree, the trees
     interleaved and every step timed alone; a round's figure for a tree is the median of its steps
     (which drops a shape's first call). The result is each tree's least figure over `rounds` rounds:
-    other work on the machine only ever adds time, and with two picks in a row made under load
-    disagreeing (runs/s27/tune_probe.txt: 2,1,1 / 3,2,1 / 4,3,1 from medians over two rounds), a
-    tree must now be slowed in every round to lose. Rounds alternate direction, so no tree always
+    other work on the machine only ever adds time, so a tree must be slowed in every round to lose
+    (the median over two rounds picked three different trees in four timings made under load;
+    README, "Session 27"). Rounds alternate direction, so no tree always
     runs after the same one. The caller turns EOS off while timing. About 40 s for the shipped
     head's greedy table on a 2-core AVX2 EPYC; prefills are most of it."""
     if rounds < 1:
