@@ -196,8 +196,9 @@ def time_steps(engine: "Engine", keys: list[str], temperature: float, rounds: in
     other work on the machine only ever adds time, so a tree must be slowed in every round to lose
     (the median over two rounds picked three different trees in four timings made under load;
     README, "Session 27"). Rounds alternate direction, so no tree always
-    runs after the same one. The caller turns EOS off while timing. About 40 s for the shipped
-    head's greedy table on a 2-core AVX2 EPYC; prefills are most of it."""
+    runs after the same one. The caller turns EOS off while timing. About 24 s for the shipped
+    head's greedy table (8 trees) and 29 s for its sampled one (10) on one core of an AVX2 EPYC;
+    prefills are most of it."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     context = max(1, min(context, engine.window - new_tokens - 64))  # room for a tree past the answer
