@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import ChainMask
 from .config import ConfigError, ModelConfig, TreeConfig
 from .kv_cache import KVCache
 from .eagle3 import Eagle3Head, eagle3_config, eagle3_from_checkpoint, eagle3_state, init_eagle3_head, is_eagle3
-from .attention import ChainMask
 from .model import DecoderLayer, ModelOutput, Rotary, Transformer, causal_mask
 from .tree import StaticLayout, Tree, rerank, static_layout, truncate_layout
 

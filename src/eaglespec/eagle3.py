@@ -24,9 +24,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from .attention import ChainMask
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
-from .attention import ChainMask
 from .model import MLP, Attention, ModelOutput, RMSNorm, Rotary, causal_mask
 
 
